@@ -1,0 +1,160 @@
+"""The build directory and its manifest: the only record of which stages are complete.
+
+A stage writes into a temporary folder beside its final one and renames it into place when it
+is done; only then is it recorded in manifest.json (written atomically). An interrupted stage
+leaves a temp folder that the next run deletes, so a rerun resumes at the first incomplete stage.
+
+A stage is complete when the manifest holds it with the same settings, the same fingerprints of
+the stages it consumed, and its output files still present with their recorded sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import atomic_write_json, sha256_file
+
+MANIFEST = "manifest.json"
+_VERSIONED = ("specdeploy", "torch", "transformers", "nvidia-modelopt", "tensorrt_llm")
+
+
+def _normalized(obj: Any) -> Any:
+    """JSON round trip, so tuples/paths compare equal to what was read back from disk."""
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for dist in _VERSIONED:
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    found["python"] = platform.python_version()
+    return found
+
+
+def build_name(model: str, spec: str, quant: str) -> str:
+    """build/<name>/ for a model/spec/quant combination, e.g. 'smollm2-135m-eagle-fp8'."""
+    stem = Path(model.rstrip("/")).name.removesuffix(".gguf")
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stem}-{spec}-{quant}").strip("-").lower()
+
+
+def add_build_args(parser: argparse.ArgumentParser) -> None:
+    """The options every stage uses to find its build directory."""
+    parser.add_argument("--build-dir", help="build directory (default: <build-root>/<model>-<spec>-<quant>)")
+    parser.add_argument("--build-root", default="build", help="parent of build directories (default: build)")
+    parser.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf file or bundled name")
+    parser.add_argument("--spec", default="eagle", choices=["eagle", "medusa", "draft", "ngram", "none"])
+    parser.add_argument("--quant", default="fp8", help="fp8|int8_sq|int4_awq|w4a8_awq|nvfp4|none")
+
+
+def build_from_args(args: argparse.Namespace) -> "BuildDir":
+    if args.build_dir:
+        return BuildDir(args.build_dir)
+    return BuildDir(Path(args.build_root) / build_name(args.model, args.spec, args.quant))
+
+
+class BuildDir:
+    """build/<name>/: one folder per stage output plus manifest.json."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.manifest_path = self.root / MANIFEST
+
+    def __repr__(self) -> str:
+        return f"BuildDir({str(self.root)!r})"
+
+    def path(self, out_dir: str) -> Path:
+        return self.root / out_dir
+
+    def manifest(self) -> dict[str, Any]:
+        if not self.manifest_path.exists():
+            return {"stages": {}}
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except json.JSONDecodeError as err:
+            raise SpecDeployError(
+                f"{self.manifest_path} is not valid JSON ({err})",
+                hint="delete it to rebuild every stage of this build directory",
+            ) from err
+
+    def record(self, stage: str) -> dict[str, Any] | None:
+        return self.manifest()["stages"].get(stage)
+
+    def fingerprint(self, stage: str) -> str:
+        """A short hash of what a stage produced, for the stages that consume it."""
+        record = self.record(stage)
+        if record is None:
+            raise SpecDeployError(
+                f"stage '{stage}' has not run in {self.root}",
+                hint=f"run `specdeploy {stage}` (or `make engine`) first",
+            )
+        blob = json.dumps(record["outputs"], sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def completed(self, stage: str, settings: dict[str, Any], consumes: tuple[str, ...] = ()) -> bool:
+        record = self.record(stage)
+        if record is None or record["settings"] != _normalized(settings):
+            return False
+        if record["inputs"] != {name: self.fingerprint(name) for name in consumes}:
+            return False
+        out = self.root / record["out_dir"]
+        return all(
+            (out / rel).is_file() and (out / rel).stat().st_size == info["bytes"]
+            for rel, info in record["outputs"].items()
+        )
+
+    @contextmanager
+    def stage(
+        self, stage: str, out_dir: str, settings: dict[str, Any], consumes: tuple[str, ...] = ()
+    ) -> Iterator[Path]:
+        """Yield a fresh temp folder; on success rename it to `out_dir` and record the stage."""
+        inputs = {name: self.fingerprint(name) for name in consumes}
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{out_dir}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        started = time.time()
+        yield tmp
+        final = self.root / out_dir
+        if final.exists():
+            stale = self.root / f".{out_dir}.stale"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            shutil.rmtree(stale)
+        os.rename(tmp, final)
+        self._write_record(stage, out_dir, settings, inputs, started)
+
+    def _write_record(
+        self, stage: str, out_dir: str, settings: dict, inputs: dict, started: float
+    ) -> None:
+        out = self.root / out_dir
+        outputs = {
+            str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(out.rglob("*"))
+            if p.is_file() and not p.is_symlink()
+        }
+        manifest = self.manifest()
+        manifest["stages"][stage] = {
+            "out_dir": out_dir,
+            "settings": _normalized(settings),
+            "inputs": inputs,
+            "outputs": outputs,
+            "versions": _versions(),
+            "seconds": round(time.time() - started, 2),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        atomic_write_json(self.manifest_path, manifest)

@@ -1,0 +1,153 @@
+"""The shapes every part of the runtime agrees on: sampling parameters, a draft tree, the
+proposer interface, and a generation's result and metrics.
+
+The proposer/verifier split follows transformers' candidate generator: a proposer only proposes
+(`propose`) and learns from what was accepted (`update`); the verify loop never knows which
+proposer it is talking to.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from specdeploy.errors import SpecDeployError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks for. temperature 0 means greedy (exact)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise SpecDeployError(
+                f"max_new_tokens must be positive, got {self.max_new_tokens}",
+                hint="ask for at least one new token",
+            )
+        if self.temperature < 0:
+            raise SpecDeployError(f"temperature must be >= 0, got {self.temperature}", hint="use 0 for greedy")
+        if self.top_k < 0:
+            raise SpecDeployError(f"top_k must be >= 0, got {self.top_k}", hint="use 0 to disable top-k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpecDeployError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1.0 to disable top-p")
+
+
+@dataclass
+class DraftTree:
+    """Candidate tokens proposed to follow the last accepted token (the tree's implicit root).
+
+    Nodes are in topological order. `parents[i]` is the index of node i's parent, or -1 when
+    node i follows the root directly. A chain of k tokens has parents [-1, 0, 1, ..., k-2].
+    `probs[i]` is the distribution node i's token was sampled from (q in the rejection rule);
+    None means the proposal is a deterministic function of the context (n-gram, top-k trees),
+    which the acceptance rule treats as a one-hot q.
+    """
+
+    tokens: torch.Tensor  # (n,) int64
+    parents: list[int]
+    probs: torch.Tensor | None = None  # (n, vocab) float32
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls(tokens=torch.empty(0, dtype=torch.long), parents=[])
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> "DraftTree":
+        return cls(tokens=tokens, parents=list(range(-1, len(tokens) - 1)), probs=probs)
+
+    def depths(self) -> list[int]:
+        """Depth of each node; children of the root have depth 1."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
+
+
+@dataclass
+class TargetState:
+    """What the verifier hands a proposer each round.
+
+    `tokens` is the whole sequence so far, prompt included, ending with the pending token (the
+    last accepted one, not yet run through the target). `hidden` maps a target layer index (as
+    in `output_hidden_states`, 0 = embeddings, -1 = last) to that layer's states for the tokens
+    the target consumed since the previous round, shape (1, n_new, hidden); it holds only the
+    layers the proposer asked for in `hidden_layers`.
+    """
+
+    tokens: torch.Tensor  # (1, seq) int64
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Proposer(ABC):
+    """Proposes candidate continuations. One instance serves one request at a time."""
+
+    #: target layers whose hidden states `propose` reads (Medusa: (-1,), EAGLE-3: three layers)
+    hidden_layers: tuple[int, ...] = ()
+    #: 'chain' proposers get a draft length; 'tree' proposers bring their own shape
+    kind: str = "chain"
+
+    def reset(self) -> None:
+        """Forget any per-request state; called before each new request."""
+
+    @abstractmethod
+    def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
+        """Up to `max_tokens` candidate tokens after `state.tokens`."""
+
+    def update(self, num_accepted: int, num_proposed: int) -> None:
+        """Called after each verification with how many proposed tokens were accepted."""
+
+
+@dataclass
+class GenerationMetrics:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # verify/decode forwards after prefill
+    draft_tokens: int = 0  # proposed tokens sent to verification
+    accepted_draft_tokens: int = 0
+    elapsed_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per target forward (1.0 = plain decoding)."""
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            **self.__dict__,
+            "acceptance_length": self.acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    finish_reason: str  # "length" | "stop"
+    metrics: GenerationMetrics

@@ -1,0 +1,89 @@
+"""The build directory, atomic writes, the CLI frame and choices trees."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdeploy.choices import parse_choices, validate_choices
+from specdeploy.errors import SpecDeployError
+from specdeploy.manifest import BuildDir
+
+
+def test_stage_completes_atomically_and_is_skipped_on_rerun(tmp_path):
+    build = BuildDir(tmp_path / "b")
+    assert not build.completed("resolve", {"model": "x"})
+    with build.stage("resolve", "base", {"model": "x"}) as tmp:
+        (tmp / "w.txt").write_text("weights")
+        assert not build.path("base").exists()  # nothing visible until the stage completes
+    assert build.completed("resolve", {"model": "x"})
+    assert not build.completed("resolve", {"model": "y"})
+    record = build.record("resolve")
+    assert record["outputs"]["w.txt"]["bytes"] == 7
+
+
+def test_interrupted_stage_leaves_no_artifact_and_reruns(tmp_path):
+    build = BuildDir(tmp_path / "b")
+    with pytest.raises(RuntimeError):
+        with build.stage("resolve", "base", {}) as tmp:
+            (tmp / "half.bin").write_bytes(b"xx")
+            raise RuntimeError("killed mid-stage")
+    assert not build.path("base").exists()
+    assert build.record("resolve") is None
+    with build.stage("resolve", "base", {}) as tmp:
+        (tmp / "full.bin").write_bytes(b"xyz")
+    assert sorted(p.name for p in build.path("base").iterdir()) == ["full.bin"]
+
+
+def test_downstream_stage_reruns_when_its_input_changes(tmp_path):
+    build = BuildDir(tmp_path / "b")
+    with build.stage("resolve", "base", {}) as tmp:
+        (tmp / "a").write_text("1")
+    with build.stage("quantize", "quantized", {"q": "fp8"}, consumes=("resolve",)) as tmp:
+        (tmp / "q").write_text("q")
+    assert build.completed("quantize", {"q": "fp8"}, consumes=("resolve",))
+    with build.stage("resolve", "base", {}) as tmp:
+        (tmp / "a").write_text("2")
+    assert not build.completed("quantize", {"q": "fp8"}, consumes=("resolve",))
+
+
+def test_deleted_output_makes_stage_incomplete(tmp_path):
+    build = BuildDir(tmp_path / "b")
+    with build.stage("resolve", "base", {}) as tmp:
+        (tmp / "a").write_text("1")
+    (build.path("base") / "a").unlink()
+    assert not build.completed("resolve", {})
+
+
+def test_choices_tree_valid_and_pbtxt_round_trip():
+    tree = validate_choices([[1], [0], [0, 0], [0, 1]], max_depth=2, max_draft_len=4)
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1))
+    assert tree.parents() == [-1, -1, 0, 0]
+    assert validate_choices(tree.to_pbtxt()).paths == tree.paths
+    assert parse_choices("[[0], [0, 0]]") == [[0], [0, 0]]
+
+
+@pytest.mark.parametrize(
+    "choices, kwargs, message",
+    [
+        ([], {}, "empty"),
+        ([[0], [0]], {}, "appears twice"),
+        ([[0], [1, 0]], {}, "no parent [1]"),
+        ([[0], [0, 0], [0, 0, 0]], {"max_depth": 2}, "only 2 heads"),
+        ([[0], [1], [2]], {"max_draft_len": 2}, "exceed max_draft_len 2"),
+        ([[0], [-1]], {}, "not a top-k index"),
+        ("{0}, {0, ", {}, "cannot parse"),
+    ],
+)
+def test_choices_tree_errors_name_the_problem(choices, kwargs, message):
+    with pytest.raises(SpecDeployError, match=message.replace("[", r"\[")):
+        validate_choices(choices, **kwargs)
+
+
+def test_cli_help_lists_every_stage():
+    out = subprocess.run([sys.executable, "-m", "specdeploy", "--help"], capture_output=True, text=True, check=True)
+    for command in ("engine", "resolve", "quantize", "convert", "build", "package", "serve", "verify", "bench"):
+        assert command in out.stdout

@@ -1,0 +1,67 @@
+"""Tiny models built from a config, with a small byte-level BPE tokenizer trained on the fly:
+fast enough for every test, real enough to exercise the same code paths as a pretrained model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding proposes tokens and verifies them in one forward pass.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Hello! How can I help you today? Tell me about the weather in Paris.",
+] * 20
+
+
+def make_tokenizer(out: Path, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_llama(
+    out: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        initializer_range=0.3,  # peaky logits: fewer near-ties than a default random init
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model
