@@ -1,0 +1,287 @@
+"""`specdeploy client`: talk to the served model with tritonclient, as TRT-LLM's ensemble expects.
+
+The same code drives a GPU deployment (TensorRT-LLM backend) and the CPU one (Python backend):
+inputs are built from the model's own config as the server reports it, so names, dtypes and
+shapes always match what is deployed.
+
+    client = TritonLLMClient("127.0.0.1:8001", protocol="grpc")
+    completion = client.generate(Request("Hello"), stream=True, on_text=print)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from specdeploy.errors import SpecDeployError
+
+DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+PERF_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate")
+_NUMPY_TYPES = {
+    "TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64,
+    "TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_STRING": np.object_,
+}
+
+
+@dataclass
+class Request:
+    """One generation request, in the ensemble's own input names."""
+
+    text_input: str
+    max_tokens: int = 64
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    random_seed: int | None = None
+    end_id: int | None = None
+    pad_id: int | None = None
+    stop_words: list[str] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
+    return_perf_metrics: bool = True
+
+    def tensors(self, stream: bool) -> dict[str, Any]:
+        """Input name -> value, leaving out what the request does not set."""
+        values: dict[str, Any] = {
+            "text_input": self.text_input, "max_tokens": self.max_tokens, "stream": stream,
+            "return_perf_metrics": self.return_perf_metrics,
+        }
+        for name in ("temperature", "top_k", "top_p", "random_seed", "end_id", "pad_id"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        for name in ("stop_words", "bad_words"):
+            if getattr(self, name):
+                values[name] = getattr(self, name)
+        return values
+
+
+@dataclass
+class Completion:
+    text: str
+    chunks: list[str]
+    perf: dict[str, float]
+    latency_s: float
+    time_to_first_chunk_s: float
+
+
+class TritonLLMClient:
+    """A text-in/text-out client for the deployed ensemble over gRPC or HTTP."""
+
+    def __init__(self, url: str | None = None, protocol: str = "grpc", model: str = "ensemble", timeout_s: float = 300.0) -> None:
+        if protocol not in DEFAULT_URLS:
+            raise SpecDeployError(f"unknown protocol {protocol!r}", hint="use grpc or http")
+        self.protocol, self.model, self.timeout_s = protocol, model, timeout_s
+        self.url = url or DEFAULT_URLS[protocol]
+        if protocol == "grpc":
+            import tritonclient.grpc as triton
+        else:
+            import tritonclient.http as triton
+        self._triton = triton
+        self._client = triton.InferenceServerClient(self.url, **({"network_timeout": timeout_s} if protocol == "http" else {}))
+        self._inputs: dict[str, tuple[Any, list[int]]] | None = None
+
+    # -- readiness -------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Return when the model is ready; a clear error says whether the server or the model is missing."""
+        deadline = time.monotonic() + timeout_s
+        reached = False
+        while time.monotonic() < deadline:
+            try:
+                reached = True if self._client.is_server_live() else reached
+                if self._client.is_model_ready(self.model):
+                    return
+            except Exception:  # connection refused, server starting: keep polling
+                pass
+            time.sleep(0.25)
+        if not reached:
+            raise SpecDeployError(
+                f"no Triton server answers at {self.url} ({self.protocol})",
+                hint="start one with `make serve` (or `specdeploy serve`), or pass the right --url/--protocol",
+            )
+        raise SpecDeployError(
+            f"the server at {self.url} is up but model '{self.model}' is not ready",
+            hint=f"models it knows: {self._model_names()}; check the server log for load errors",
+        )
+
+    def _model_names(self) -> list[str]:
+        index = self._client.get_model_repository_index()
+        entries = index.models if self.protocol == "grpc" else index
+        return [e.name if self.protocol == "grpc" else e["name"] for e in entries]
+
+    # -- requests --------------------------------------------------------------------------
+    def generate(self, request: Request, stream: bool = False, on_text: Callable[[str], None] | None = None) -> Completion:
+        """Send one request; with stream=True, `on_text` gets each chunk as it arrives."""
+        if self.protocol == "http" and stream:
+            return self._http_stream(request, on_text)
+        if self.protocol == "http":
+            return self._http_infer(request)
+        return self._grpc_stream(request, stream, on_text)
+
+    def _input_specs(self) -> dict[str, tuple[Any, list[int]]]:
+        """name -> (numpy dtype, shape of one request) from the model's config on the server."""
+        if self._inputs is None:
+            config = self._client.get_model_config(self.model, **({"as_json": True} if self.protocol == "grpc" else {}))
+            config = config.get("config", config)
+            batched = int(config.get("max_batch_size", 0)) > 0
+            self._inputs = {
+                spec["name"]: (_NUMPY_TYPES[spec["data_type"]], ([1] if batched else []) + [int(d) for d in spec.get("dims", [])])
+                for spec in config["input"]
+            }
+        return self._inputs
+
+    def _build_inputs(self, request: Request, stream: bool) -> list[Any]:
+        specs = self._input_specs()
+        built = []
+        for name, value in request.tensors(stream).items():
+            if name not in specs:
+                if name in ("text_input", "max_tokens"):
+                    raise SpecDeployError(f"model '{self.model}' has no input '{name}'", hint="is this a TRT-LLM style ensemble?")
+                continue  # optional inputs the deployment does not declare
+            dtype, shape = specs[name]
+            values = value if isinstance(value, list) else [value]
+            if dtype is np.object_:
+                values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+            shape = [len(values) if d == -1 else d for d in shape]
+            array = np.array(values, dtype=dtype).reshape(shape)
+            tensor = self._triton.InferInput(name, list(array.shape), "BYTES" if dtype is np.object_ else _triton_dtype(array))
+            tensor.set_data_from_numpy(array)
+            built.append(tensor)
+        return built
+
+    def _grpc_stream(self, request: Request, stream: bool, on_text: Callable[[str], None] | None) -> Completion:
+        responses: queue.Queue = queue.Queue()
+        self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        started = time.perf_counter()
+        chunks, perf, first = [], {}, 0.0
+        try:
+            self._client.async_stream_infer(self.model, self._build_inputs(request, stream), enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=self.timeout_s)
+                if error is not None:
+                    raise SpecDeployError(f"the server rejected the request: {error.message()}", hint="see the message above")
+                text = _text_of(result)
+                if text:
+                    first = first or time.perf_counter() - started
+                    chunks.append(text)
+                    if on_text:
+                        on_text(text)
+                perf.update(_perf_of(result))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        except queue.Empty as err:
+            raise SpecDeployError(f"no response within {self.timeout_s:.0f} s", hint="raise --timeout or check the server log") from err
+        finally:
+            self._client.stop_stream()
+        return Completion("".join(chunks), chunks, perf, time.perf_counter() - started, first)
+
+    def _http_infer(self, request: Request) -> Completion:
+        started = time.perf_counter()
+        try:
+            result = self._client.infer(self.model, self._build_inputs(request, stream=False))
+        except self._triton_exception() as err:
+            raise SpecDeployError(f"the server rejected the request: {err.message()}", hint="see the message above") from err
+        elapsed = time.perf_counter() - started
+        text = _text_of(result)
+        return Completion(text, [text], _perf_of(result), elapsed, elapsed)
+
+    def _http_stream(self, request: Request, on_text: Callable[[str], None] | None) -> Completion:
+        """Triton's generate_stream extension: JSON in, server-sent events out."""
+        import requests
+
+        body = request.tensors(stream=True)
+        started = time.perf_counter()
+        chunks, perf, first = [], {}, 0.0
+        url = f"http://{self.url}/v2/models/{self.model}/generate_stream"
+        with requests.post(url, json=body, stream=True, timeout=self.timeout_s) as response:
+            for line in response.iter_lines(decode_unicode=True):
+                if not line or not line.startswith("data:"):
+                    continue
+                event = json.loads(line[len("data:"):])
+                if "error" in event:
+                    raise SpecDeployError(f"the server rejected the request: {event['error']}", hint="see the message above")
+                text = event.get("text_output", "")
+                if text:
+                    first = first or time.perf_counter() - started
+                    chunks.append(text)
+                    if on_text:
+                        on_text(text)
+                perf.update({k: float(_scalar(event[k])) for k in PERF_OUTPUTS if k in event})
+            if response.status_code != 200 and not chunks:
+                raise SpecDeployError(f"generate_stream answered HTTP {response.status_code}: {response.text[:300]}", hint="see the message above")
+        return Completion("".join(chunks), chunks, perf, time.perf_counter() - started, first)
+
+    def _triton_exception(self) -> type[Exception]:
+        from tritonclient.utils import InferenceServerException
+
+        return InferenceServerException
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _triton_dtype(array: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return np_to_triton_dtype(array.dtype)
+
+
+def _scalar(value: Any) -> Any:
+    while isinstance(value, list):
+        value = value[0]
+    return value
+
+
+def _text_of(result: Any) -> str:
+    output = result.as_numpy("text_output")
+    if output is None or output.size == 0:
+        return ""
+    return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in output.reshape(-1)).decode("utf-8", errors="replace")
+
+
+def _perf_of(result: Any) -> dict[str, float]:
+    found = {}
+    for name in PERF_OUTPUTS:
+        try:
+            value = result.as_numpy(name)
+        except Exception:  # the output was not requested or not declared
+            value = None
+        if value is not None and value.size:
+            found[name] = float(value.reshape(-1)[0])
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="text to send (text_input)")
+    parser.add_argument("--url", help="server address (default 127.0.0.1:8001 for grpc, :8000 for http)")
+    parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    parser.add_argument("--model", default="ensemble", help="model to call (default: ensemble)")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop-word", action="append", default=[], help="repeatable")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a response")
+
+
+def main(args: argparse.Namespace) -> int:
+    client = TritonLLMClient(args.url, args.protocol, args.model, timeout_s=args.timeout)
+    client.wait_ready(timeout_s=10)
+    request = Request(
+        args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, random_seed=args.seed, stop_words=args.stop_word,
+    )
+    printer = (lambda text: print(text, end="", flush=True)) if args.stream else None
+    completion = client.generate(request, stream=args.stream, on_text=printer)
+    print("" if args.stream else completion.text)
+    metrics = {"latency_s": round(completion.latency_s, 4), "time_to_first_chunk_s": round(completion.time_to_first_chunk_s, 4),
+               "chunks": len(completion.chunks), **completion.perf}
+    print(json.dumps(metrics), file=sys.stderr)
+    return 0
