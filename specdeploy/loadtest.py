@@ -10,10 +10,16 @@ import argparse
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
 
 from specdeploy.client import Request, TritonLLMClient
 from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import atomic_write_json
+from specdeploy.manifest import add_build_args, build_from_args
 
 
 @dataclass
@@ -73,3 +79,37 @@ def run_load(
         latency_s=percentiles([r[2] for r in ok]),
         ttft_s=percentiles([r[3] for r in ok]),
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_build_args(parser)
+    parser.add_argument("--url", help="use a running server (gRPC host:port) instead of starting one")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=10, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=8, help="distinct prompts (ShareGPT held-out)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from specdeploy.data import sharegpt_prompts
+    from specdeploy.triton.serve import TritonServer
+
+    build = build_from_args(args)
+    repo = build.path("triton_repo") / "cpu"
+    if args.url is None and build.record("package") is None:
+        raise SpecDeployError(f"no packaged repository in {build.root}", hint="run `make engine` first, or pass --url")
+    prompts = sharegpt_prompts(args.prompts, split="heldout", max_chars=600)
+    settings = {k: getattr(args, k) for k in ("clients", "requests", "max_tokens", "prompts")}
+    with build.stage("loadtest", "loadtest", settings) as tmp, ExitStack() as stack:
+        url = args.url or stack.enter_context(TritonServer(repo, log_path=tmp / "tritonserver.log")).grpc_url
+        result = run_load(url, prompts, clients=args.clients, requests_per_client=args.requests, max_tokens=args.max_tokens)
+        atomic_write_json(tmp / "loadtest.json", result.as_dict())
+    table = Table(title=f"load test: {args.clients} clients x {args.requests} requests, {args.max_tokens} tokens")
+    for column in ("requests", "errors", "mismatches", "wall s", "latency p50/p90/p99 s", "ttft p50/p90/p99 s"):
+        table.add_column(column)
+    fmt = lambda d: "/".join(f"{d.get(k, 0):.3f}" for k in ("p50", "p90", "p99"))  # noqa: E731
+    table.add_row(str(result.requests), str(len(result.errors)), str(result.mismatches), f"{result.wall_s:.1f}",
+                  fmt(result.latency_s), fmt(result.ttft_s))
+    Console().print(table)
+    print(f"report: {build.path('loadtest')}/loadtest.json")
+    return 1 if result.errors or result.mismatches else 0

@@ -40,7 +40,7 @@ from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 STAGE = "resolve"
 OUT = "base"
 DEFAULT_MODEL = "smollm2-135m"
-CONVERSION_VERSION = 1  # bump when the GGUF -> safetensors conversion changes its output
+CONVERSION_VERSION = 2  # bump when the GGUF -> safetensors conversion changes its output
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files of an HF folder worth carrying into base/ (weights, config, tokenizer, templates).
 KEEP_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
@@ -119,6 +119,7 @@ def _locked(name: str) -> Iterator[None]:
 
 def _publish_dir(tmp: Path, final: Path) -> Path:
     """Rename a finished temp folder into place (a folder already there wins)."""
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is shared
     try:
         os.rename(tmp, final)
     except OSError:
@@ -169,8 +170,22 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "auto") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.clean_up_tokenization_spaces = False  # BPE: cleanup would strip spaces before punctuation
+    _fix_special_tokens(tokenizer, config)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _fix_special_tokens(tokenizer: Any, config: Any) -> None:
+    """transformers' GGUF tokenizer conversion can mislabel eos (SmolLM2: eos became
+    <|im_start|>, id 1, while the GGUF says 2 = <|im_end|>). The model config holds the GGUF's
+    own bos/eos/pad ids: make the tokenizer agree with it."""
+    for role in ("bos", "eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, list):
+            token_id = token_id[0]
+        if token_id is not None and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
 
 
 def _check_no_meta(model: Any, gguf: Path) -> None:

@@ -93,6 +93,10 @@ class TargetState:
 
     tokens: torch.Tensor  # (1, seq) int64
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    # how the request samples: a sampling proposer draws from the same warped distribution
+    # with the request's generator and returns it as DraftTree.probs
+    params: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
 
 
 class Proposer(ABC):

@@ -1,0 +1,249 @@
+"""`specdeploy bench` / `make bench`: the runtime's autoregressive and speculative decoding
+against Hugging Face assisted generation, on the same model pair and prompts, in one run.
+
+Methods are interleaved prompt by prompt (each prompt runs every method, in an order rotated per
+prompt), so a noisy, shared machine slows all of them alike rather than whichever ran last.
+Speculative rows are proposers of the runtime (SPEC_ROWS): a Medusa/EAGLE row only needs its
+trained module folder (--spec-dir kind=path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import atomic_write_json
+from specdeploy.runtime.decoding import eos_token_ids, generate
+from specdeploy.runtime.proposers import build_proposer
+from specdeploy.runtime.types import SamplingParams
+
+# speculative row -> the HF method it is compared with (None: HF has no counterpart)
+SPEC_ROWS: dict[str, str | None] = {"draft": "hf-assisted", "ngram": "hf-lookup", "medusa": None, "eagle": None}
+HF_ROWS = ("hf-assisted", "hf-lookup", "hf-ar")
+DEFAULT_METHODS = "ar,draft,ngram,hf-assisted,hf-lookup"
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float
+    target_forwards: int | None = None  # known for the runtime's own methods
+
+
+@dataclass
+class Bench:
+    """Everything a method needs: loaded models and per-method settings."""
+
+    target: Any
+    draft: Any | None
+    max_new_tokens: int
+    draft_len: int | None = None
+    spec_dirs: dict[str, str] = field(default_factory=dict)
+    lookup_tokens: int = 10
+
+    def runner(self, method: str) -> Callable[[list[int]], Run]:
+        if method == "ar":
+            return self._runtime(None)
+        if method in SPEC_ROWS:
+            return self._runtime(self._proposer(method))
+        if method in HF_ROWS:
+            return self._hf(method)
+        known = ", ".join(["ar", *SPEC_ROWS, *HF_ROWS])
+        raise SpecDeployError(f"unknown bench method {method!r}", hint=f"methods: {known}")
+
+    def _proposer(self, kind: str):
+        if kind == "draft":
+            return build_proposer("draft", self.target, draft_model=self._need_draft())
+        if kind == "ngram":
+            return build_proposer("ngram", self.target)
+        if kind not in self.spec_dirs:
+            raise SpecDeployError(f"the {kind} row needs its trained module", hint=f"pass --spec-dir {kind}=PATH")
+        return build_proposer(kind, self.target, spec_dir=self.spec_dirs[kind], max_draft_len=self.draft_len)
+
+    def _need_draft(self) -> Any:
+        if self.draft is None:
+            raise SpecDeployError("this method needs a draft model", hint="pass --draft")
+        return self.draft
+
+    def _runtime(self, proposer) -> Callable[[list[int]], Run]:
+        params = SamplingParams(max_new_tokens=self.max_new_tokens)
+
+        def run(ids: list[int]) -> Run:
+            start = time.perf_counter()
+            result = generate(self.target, ids, params, proposer, draft_len=self.draft_len)
+            return Run(result.token_ids, time.perf_counter() - start, result.metrics.target_forwards)
+
+        return run
+
+    def _hf(self, method: str) -> Callable[[list[int]], Run]:
+        from transformers import GenerationConfig
+
+        # a clean greedy config: an instruct model's own generation_config may sample or penalise
+        config = GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos_token_ids(self.target)) or None,
+            pad_token_id=self.target.config.pad_token_id or 0,
+        )
+        extra: dict[str, Any] = {}
+        if method == "hf-assisted":
+            extra["assistant_model"] = self._need_draft()
+        elif method == "hf-lookup":
+            extra["prompt_lookup_num_tokens"] = self.lookup_tokens
+
+        def run(ids: list[int]) -> Run:
+            inputs = torch.tensor([ids])
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = self.target.generate(
+                    inputs, attention_mask=torch.ones_like(inputs), generation_config=config, **extra
+                )
+            return Run(out[0, len(ids) :].tolist(), time.perf_counter() - start)
+
+        return run
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def run_bench(bench: Bench, prompts: list[list[int]], methods: list[str], *, log: Callable[[str], None] = print) -> dict:
+    """Run every method on every prompt (interleaved); per-prompt records and per-method summary."""
+    runners = {m: bench.runner(m) for m in methods}
+    for method, run in runners.items():  # first calls pay for allocation and lazy imports
+        run(prompts[0][:16])
+    records = []
+    for i, ids in enumerate(prompts):
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        runs = {m: runners[m](ids) for m in order}
+        records.append(
+            {
+                "prompt": i,
+                "prompt_tokens": len(ids),
+                "runs": {
+                    m: {
+                        "new_tokens": len(r.tokens),
+                        "seconds": r.seconds,
+                        "tokens_per_s": _rate(len(r.tokens), r.seconds),
+                        "target_forwards": r.target_forwards,
+                        "same_as_ar": r.tokens == runs["ar"].tokens if "ar" in runs else None,
+                    }
+                    for m, r in runs.items()
+                },
+            }
+        )
+        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{m} {records[-1]['runs'][m]['tokens_per_s']:.1f}" for m in order))
+    return {"methods": summarize(records, methods), "prompts": records}
+
+
+def summarize(records: list[dict], methods: list[str]) -> dict[str, dict]:
+    totals = {}
+    for m in methods:
+        tokens = sum(r["runs"][m]["new_tokens"] for r in records)
+        seconds = sum(r["runs"][m]["seconds"] for r in records)
+        forwards = [r["runs"][m]["target_forwards"] for r in records]
+        totals[m] = {
+            "tokens_per_s": _rate(tokens, seconds),
+            "acceptance_length": tokens / sum(forwards) if None not in forwards and sum(forwards) else None,
+        }
+    for m in methods:
+        summary = totals[m]
+        if "ar" in totals and m != "ar":
+            ratios = [r["runs"][m]["tokens_per_s"] / r["runs"]["ar"]["tokens_per_s"] for r in records]
+            summary["speedup_vs_ar"] = summary["tokens_per_s"] / totals["ar"]["tokens_per_s"]
+            summary["worst_prompt_vs_ar"] = min(ratios)
+            summary["same_as_ar"] = sum(r["runs"][m]["same_as_ar"] for r in records) / len(records)
+        hf = SPEC_ROWS.get(m)
+        if hf in totals:
+            summary["speedup_vs_hf"] = summary["tokens_per_s"] / totals[hf]["tokens_per_s"]
+    return totals
+
+
+def print_table(summary: dict[str, dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    table = Table(title=title)
+    for column in ("method", "tok/s", "vs AR", "vs HF", "worst prompt vs AR", "tokens/forward", "= AR output"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for method, s in summary.items():
+        table.add_row(
+            method,
+            fmt(s["tokens_per_s"], ".2f"),
+            fmt(s.get("speedup_vs_ar"), ".2f") + ("x" if "speedup_vs_ar" in s else ""),
+            fmt(s.get("speedup_vs_hf"), ".2f") + ("x" if "speedup_vs_hf" in s else ""),
+            fmt(s.get("worst_prompt_vs_ar"), ".2f"),
+            fmt(s.get("acceptance_length"), ".2f"),
+            fmt(s.get("same_as_ar"), ".0%"),
+        )
+    Console().print(table)
+
+
+def load_prompts(source: str, n: int, tokenizer: Any, chat: bool) -> list[list[int]]:
+    from specdeploy import data
+
+    texts = data.humaneval_prompts(n) if source == "humaneval" else data.sharegpt_prompts(n, "heldout", max_chars=2000)
+    if chat and getattr(tokenizer, "chat_template", None):
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts
+        ]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="target: HF folder, .gguf or bundled name")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model sharing the target's tokenizer")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--prompts", default="humaneval", choices=["humaneval", "sharegpt"])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="wrap prompts in the chat template (default: for sharegpt only)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-len", type=int, help="most draft tokens per round (default: the runtime's)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma-separated, from ar, {', '.join(SPEC_ROWS)}, {', '.join(HF_ROWS)}")
+    parser.add_argument("--spec-dir", action="append", default=[], metavar="KIND=PATH",
+                        help="trained module for a medusa/eagle row (repeatable)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--build-root", default="build", help="results go to <build-root>/bench/ unless --out")
+    parser.add_argument("--out", help="JSON results path")
+
+
+def main(args: argparse.Namespace) -> int:
+    from specdeploy.models import resolve_model_dir
+    from specdeploy.runtime.deployment import load_model
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "ar" not in methods:
+        methods.insert(0, "ar")  # every speed-up is relative to it
+    spec_dirs = dict(item.split("=", 1) for item in args.spec_dir)
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_model(resolve_model_dir(args.model), args.dtype)
+    needs_draft = {"draft", "hf-assisted"} & set(methods)
+    draft = load_model(resolve_model_dir(args.draft), args.dtype)[0] if needs_draft else None
+    chat = args.prompts == "sharegpt" if args.chat is None else args.chat
+    prompts = load_prompts(args.prompts, args.num_prompts, tokenizer, chat)
+    bench = Bench(target, draft, args.max_new_tokens, args.draft_len, spec_dirs)
+    load_before = os.getloadavg()
+    results = run_bench(bench, prompts, methods)
+    results["settings"] = vars(args)
+    results["machine"] = {"cpu_count": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    name = f"{Path(args.model).name}-{args.dtype}-{args.prompts}-{args.max_new_tokens}.json"
+    out = Path(args.out) if args.out else Path(args.build_root) / "bench" / name
+    atomic_write_json(out, results)
+    title = f"{args.model} + {args.draft}, {args.dtype}, greedy, {len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens"
+    print_table(results["methods"], title)
+    print(f"results: {out}")
+    return 0

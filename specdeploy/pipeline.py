@@ -1,0 +1,172 @@
+"""`make engine`: every stage in order, each skipped when the manifest says it is complete.
+
+    resolve -> spec -> quantize -> convert -> build -> package
+
+A stage that was interrupted left only a temp folder, so rerunning the same command resumes at
+the first incomplete stage. The summary says plainly which stages ran here and what is left for
+a GPU host (trtllm-build and the TensorRT-LLM backend never run on a machine without them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+
+console = Console()
+TRAINED_SPECS = ("eagle", "medusa")
+KV_CACHE_FOR = {"fp8": "fp8", "nvfp4": "fp8", "int8_sq": "int8"}
+
+
+@dataclass
+class EngineOptions:
+    model: str = "smollm2-135m"
+    spec: str = "eagle"
+    quant: str = "fp8"
+    draft: str | None = None
+    kv_cache: str | None = None  # None: follow the weight format (KV_CACHE_FOR)
+    spec_preset: str = "quick"
+    quantize_spec: bool = False
+    serve_dtype: str = "float32"
+    tp_size: int = 1
+    pp_size: int = 1
+    max_draft_len: int = 4  # draft-target and n-gram; trees bring their own
+    calib_size: int = 64
+    quant_report: bool = True
+    spec_overrides: dict | None = None  # e.g. {"steps": 5} for a quick look
+
+
+def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callable[[], Path]]]:
+    from specdeploy import models, quantize
+    from specdeploy.triton import package
+    from specdeploy.trtllm import build as trt_build, convert
+
+    draft_dir = _draft_dir(build, opts)
+    steps: list[tuple[str, Callable[[], Path]]] = [("resolve", lambda: models.run(build, opts.model))]
+    if opts.spec in TRAINED_SPECS:
+        from specdeploy.spec import commands as spec
+
+        steps.append(("spec", lambda: spec.run(build, opts.spec, preset=opts.spec_preset, **(opts.spec_overrides or {}))))
+    kv_cache = opts.kv_cache or KV_CACHE_FOR.get(opts.quant, "none")
+    kind = None if opts.spec == "none" else opts.spec
+    steps += [
+        ("quantize", lambda: quantize.run(build, opts.quant, kv_cache, quantize_spec=opts.quantize_spec,
+                                           calib_size=opts.calib_size, report=opts.quant_report)),
+        ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind,
+                                        draft_model=draft_dir, max_draft_len=_draft_len(build, opts))),
+        ("build", lambda: trt_build.run(build)),
+        ("package", lambda: package.run(build, spec=opts.spec, choices=_choices(build), max_draft_len=_draft_len(build, opts),
+                                        draft_model_dir=draft_dir, dtype=opts.serve_dtype)),
+    ]
+    return steps
+
+
+def _draft_dir(build: BuildDir, opts: EngineOptions) -> str | None:
+    """SPEC=draft needs DRAFT=<model>, resolved like MODEL and checked for the same tokenizer."""
+    if opts.spec != "draft":
+        if opts.draft:
+            raise SpecDeployError(f"DRAFT is only used with SPEC=draft, not SPEC={opts.spec}", hint="drop DRAFT or set SPEC=draft")
+        return None
+    if not opts.draft:
+        raise SpecDeployError("SPEC=draft needs a draft model", hint="pass DRAFT=<hf folder | .gguf | bundled name>, e.g. qwen2.5-coder-0.5b")
+    from specdeploy.models import load_tokenizer, resolve_model_dir
+    from specdeploy.runtime.proposers.draft import check_tokenizers
+
+    draft = resolve_model_dir(opts.draft)
+    check_tokenizers(load_tokenizer(resolve_model_dir(opts.model)), load_tokenizer(draft))
+    return str(draft)
+
+
+def _spec_config(build: BuildDir) -> dict:
+    path = build.path("spec") / "spec_config.json"
+    return json.loads(path.read_text()) if build.record("spec") and path.exists() else {}
+
+
+def _choices(build: BuildDir) -> list[list[int]] | None:
+    return _spec_config(build).get("choices")
+
+
+def _draft_len(build: BuildDir, opts: EngineOptions) -> int:
+    choices = _choices(build)
+    return len(choices) if choices else opts.max_draft_len
+
+
+def run_pipeline(build: BuildDir, opts: EngineOptions) -> list[dict]:
+    """Run every stage; return one row per stage: name, ran or skipped, seconds, output."""
+    rows = []
+    for name, step in _stage_steps(build, opts):
+        before = (build.record(name) or {}).get("finished")
+        console.rule(f"[bold]{name}")
+        started = time.time()
+        out = step()
+        ran = (build.record(name) or {}).get("finished") != before
+        rows.append({"stage": name, "status": "ran" if ran else "complete (skipped)",
+                     "seconds": round(time.time() - started, 1), "output": str(out)})
+    return rows
+
+
+def _engines_built(build: BuildDir) -> bool:
+    plan = build.path("engines") / "build_plan.json"
+    return plan.exists() and bool(json.loads(plan.read_text()).get("engines_built"))
+
+
+def print_summary(build: BuildDir, rows: list[dict], opts: EngineOptions) -> None:
+    table = Table(title=f"specdeploy engine: {build.root}")
+    for column in ("stage", "status", "seconds", "output"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["stage"], row["status"], str(row["seconds"]), row["output"])
+    console.print(table)
+    if _engines_built(build):
+        console.print("TensorRT-LLM engines were built on this host.")
+    else:
+        console.print(
+            "[yellow]TensorRT engines were NOT built on this host[/yellow] (no TensorRT-LLM / no GPU). "
+            f"Build them on a GPU host: {build.path('engines')}/build_engines.sh inside NVIDIA's TensorRT-LLM "
+            "container (see build_scripts/README.md); the engine-flow Triton repository is "
+            f"{build.path('triton_repo')}/engine."
+        )
+    flags = f"MODEL={opts.model} SPEC={opts.spec} QUANT={opts.quant}" + (f" DRAFT={opts.draft}" if opts.draft else "")
+    console.print(f"CPU model repository (served here): {build.path('triton_repo')}/cpu")
+    console.print(f"Next: [bold]make serve {flags}[/bold]   then   [bold]make verify {flags}[/bold]")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_build_args(parser)
+    parser.add_argument("--draft", help="SPEC=draft: the draft model (folder, .gguf or bundled name)")
+    parser.add_argument("--kv-cache", choices=["fp8", "int8", "none"], help="KV-cache quantization (default: follows --quant)")
+    parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
+                        help="module training budget: quick (<= 10 min, default) or long (<= 60 min)")
+    parser.add_argument("--quantize-spec", action="store_true", help="quantize the Medusa/EAGLE module too")
+    parser.add_argument("--serve-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the CPU runtime served by Triton (float32: exact parity; bfloat16: faster)")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--pp-size", type=int, default=1)
+    parser.add_argument("--max-draft-len", type=int, default=4, help="draft tokens per step for draft/ngram")
+    parser.add_argument("--calib-size", type=int, default=64, help="calibration prompts for quantization")
+    parser.add_argument("--no-quant-report", action="store_true", help="skip the quantization quality report")
+    parser.add_argument("--spec-steps", type=int, help="override the module training steps")
+    parser.add_argument("--spec-prompts", type=int, help="override the number of self-distillation prompts")
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = EngineOptions(
+        model=args.model, spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
+        spec_preset=args.spec_preset, quantize_spec=args.quantize_spec, serve_dtype=args.serve_dtype,
+        tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
+        calib_size=args.calib_size, quant_report=not args.no_quant_report,
+        spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},
+    )
+    build = build_from_args(args)
+    rows = run_pipeline(build, opts)
+    print_summary(build, rows, opts)
+    return 0

@@ -1,0 +1,257 @@
+"""The decoding loop, gpt-fast style: prefill, decode one token, one speculative round, generate.
+
+Invariant between rounds: the KV cache holds every token of the sequence except the last one,
+the *pending* token, which has already been emitted but not yet run through the target. A plain
+step runs the pending token and samples the next; a speculative round runs the pending token
+plus a draft tree in one forward, accepts a path, and keeps only that path in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.adaptive import AdaptiveDraftLength
+from specdeploy.runtime.kv_cache import keep_path
+from specdeploy.runtime.sampling import make_generator, next_token
+from specdeploy.runtime.types import (
+    DraftTree,
+    GenerationMetrics,
+    GenerationResult,
+    Proposer,
+    SamplingParams,
+    TargetState,
+)
+from specdeploy.runtime.verify import Acceptance, accept, is_chain, tree_attention_mask, tree_position_ids
+
+Hidden = dict[int, torch.Tensor]
+
+# Chains: verifying up to ~8 tokens costs about one bf16 decode step on this CPU (facts.md).
+DEFAULT_DRAFT_LEN = 8
+# Trees bring their own shape; Medusa's default tree has 63 nodes.
+DEFAULT_TREE_SIZE = 64
+
+
+def _forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    hidden_layers: tuple[int, ...],
+    **kwargs,
+) -> tuple[torch.Tensor, Hidden]:
+    out = model(
+        input_ids=input_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(hidden_layers),
+        **kwargs,
+    )
+    hidden = {layer: out.hidden_states[layer] for layer in hidden_layers}
+    return out.logits[0], hidden
+
+
+def prefill(
+    model: PreTrainedModel, prompt: torch.Tensor, cache: DynamicCache, hidden_layers: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, Hidden]:
+    """Run the prompt (1, seq) into the cache; the logits (vocab,) of the first new token."""
+    logits, hidden = _forward(model, prompt, cache, hidden_layers, logits_to_keep=1)
+    return logits[-1], hidden
+
+
+def decode_one_token(
+    model: PreTrainedModel,
+    token: int,
+    cache: DynamicCache,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    hidden_layers: tuple[int, ...] = (),
+) -> tuple[int, Hidden]:
+    """Run the pending token; the next token."""
+    logits, hidden = _forward(model, torch.tensor([[token]]), cache, hidden_layers)
+    return next_token(logits[-1], params, generator), hidden
+
+
+def speculative_decode(
+    model: PreTrainedModel,
+    token: int,
+    tree: DraftTree,
+    cache: DynamicCache,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    hidden_layers: tuple[int, ...] = (),
+) -> tuple[Acceptance, Hidden]:
+    """One round: verify the pending token + `tree` in one forward, accept a path, trim the cache."""
+    prefix_len = cache.get_seq_length()
+    input_ids = torch.cat([torch.tensor([token]), tree.tokens.long()])[None]
+    if is_chain(tree.parents):
+        # a chain is causal: the model's own mask and positions are the tree mask
+        logits, hidden = _forward(model, input_ids, cache, hidden_layers)
+    else:
+        mask = tree_attention_mask(tree.parents, prefix_len, model.dtype)
+        positions = tree_position_ids(tree, prefix_len)
+        logits, hidden = _forward(model, input_ids, cache, hidden_layers, attention_mask=mask, position_ids=positions)
+    acceptance = accept(tree, logits, params, generator)
+    keep_path(cache, prefix_len, acceptance.path)
+    rows = torch.tensor([0] + [node + 1 for node in acceptance.path])
+    return acceptance, {layer: states[:, rows] for layer, states in hidden.items()}
+
+
+def prune(tree: DraftTree, max_nodes: int, max_depth: int) -> DraftTree:
+    """The first `max_nodes` nodes of depth <= `max_depth` (still a valid, ordered tree)."""
+    depths = tree.depths()
+    keep = [i for i in range(len(tree)) if depths[i] <= max_depth][:max_nodes]
+    if len(keep) == len(tree):
+        return tree
+    new_index = {old: new for new, old in enumerate(keep)}
+    parents = [-1 if tree.parents[i] < 0 else new_index[tree.parents[i]] for i in keep]
+    probs = None if tree.probs is None else tree.probs[keep]
+    return DraftTree(tokens=tree.tokens[keep], parents=parents, probs=probs)
+
+
+class _Output:
+    """Collects emitted tokens: stops on EOS / stop ids / stop strings / length, streams groups."""
+
+    def __init__(
+        self,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        stop_strings: tuple[str, ...],
+        decode: Callable[[list[int]], str] | None,
+        on_tokens: Callable[[list[int]], None] | None,
+    ) -> None:
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_ids
+        self.stop_strings = stop_strings
+        self.decode = decode
+        self.on_tokens = on_tokens
+        # a stop string ends in the newest token and spans at most one token per byte
+        self.window = max((len(s.encode()) for s in stop_strings), default=0) + 1
+
+    def _hit_stop_string(self) -> bool:
+        if not self.stop_strings:
+            return False
+        tail = self.decode(self.tokens[-self.window :])
+        return any(s in tail for s in self.stop_strings)
+
+    def extend(self, group: list[int]) -> bool:
+        """Emit `group` up to the first stop; True when generation is finished."""
+        taken: list[int] = []
+        for token in group:
+            taken.append(token)
+            self.tokens.append(token)
+            if token in self.stop_ids or self._hit_stop_string():
+                self.finish_reason = "stop"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        if self.on_tokens and taken:
+            self.on_tokens(taken)
+        return self.finish_reason is not None
+
+
+def _prompt_tensor(prompt_ids: torch.Tensor | list[int], context_length: int) -> torch.Tensor:
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if prompt.dim() == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if prompt.dim() != 1:
+        raise SpecDeployError(
+            f"expected one prompt of token ids, got a tensor of shape {tuple(prompt.shape)}",
+            hint="pass a list of ints or a (1, seq) tensor; the runtime serves one request at a time",
+        )
+    if prompt.numel() == 0:
+        raise SpecDeployError("the prompt is empty", hint="give at least one token (a BOS token will do)")
+    if prompt.numel() >= context_length:
+        raise SpecDeployError(
+            f"the prompt has {prompt.numel()} tokens but the model's context is {context_length}",
+            hint=f"shorten the prompt to fewer than {context_length} tokens to leave room for new ones",
+        )
+    return prompt[None]
+
+
+def eos_token_ids(model: PreTrainedModel) -> set[int]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+
+def generate(
+    target: PreTrainedModel,
+    prompt_ids: torch.Tensor | list[int],
+    params: SamplingParams,
+    proposer: Proposer | None = None,
+    *,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    draft_len: int | None = None,
+    context_length: int | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    adaptive: bool = True,
+) -> GenerationResult:
+    """Generate for one prompt, speculatively when a proposer is given.
+
+    `draft_len` caps the draft per round (chains: adaptive up to it unless `adaptive` is False;
+    trees: their node budget). `decode` (token ids -> text) is needed for `params.stop_strings`.
+    """
+    params.validate()
+    context_length = context_length or target.config.max_position_embeddings
+    prompt = _prompt_tensor(prompt_ids, context_length)
+    if params.stop_strings and decode is None:
+        raise SpecDeployError("stop strings need the tokenizer", hint="pass decode=tokenizer.decode")
+    chain = proposer is None or proposer.kind == "chain"
+    max_draft = draft_len or (DEFAULT_DRAFT_LEN if chain else DEFAULT_TREE_SIZE)
+    controller = AdaptiveDraftLength(max_draft, adaptive=adaptive and proposer is not None)
+    hidden_layers = proposer.hidden_layers if proposer else ()
+    generator = make_generator(params.seed)
+    stop_ids = eos_token_ids(target) | set(params.stop_token_ids)
+    max_new = min(params.max_new_tokens, context_length - prompt.shape[1])
+    output = _Output(max_new, stop_ids, params.stop_strings, decode, on_tokens)
+    metrics = GenerationMetrics(prompt_tokens=prompt.shape[1])
+    if proposer is not None:
+        proposer.reset()
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        logits, hidden = prefill(target, prompt, cache, hidden_layers)
+        pending = next_token(logits, params, generator)
+        metrics.time_to_first_token_s = time.perf_counter() - start
+        done = output.extend([pending])
+        while not done:
+            round_start = time.perf_counter()
+            length = controller.next_length() if proposer is not None else 0
+            tree = DraftTree.empty()
+            if length > 0:
+                state = TargetState(
+                    tokens=torch.cat([prompt, torch.tensor([output.tokens])], dim=1),
+                    hidden=hidden,
+                    params=params,
+                    generator=generator,
+                )
+                tree = proposer.propose(state, length if chain else max_draft)
+                tree = prune(tree, max_draft, max_new - len(output.tokens) - 1)
+            if len(tree):
+                acceptance, hidden = speculative_decode(target, pending, tree, cache, params, generator, hidden_layers)
+                group, accepted = acceptance.tokens(tree), len(acceptance.path)
+                proposer.update(accepted, len(tree))
+            else:
+                token, hidden = decode_one_token(target, pending, cache, params, generator, hidden_layers)
+                group, accepted = [token], 0
+            controller.record(accepted, len(tree), time.perf_counter() - round_start)
+            metrics.target_forwards += 1
+            metrics.draft_tokens += len(tree)
+            metrics.accepted_draft_tokens += accepted
+            pending = group[-1]
+            done = output.extend(group)
+    metrics.elapsed_s = time.perf_counter() - start
+    metrics.new_tokens = len(output.tokens)
+    return GenerationResult(token_ids=output.tokens, finish_reason=output.finish_reason or "length", metrics=metrics)

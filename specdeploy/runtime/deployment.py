@@ -1,0 +1,172 @@
+"""Text in, text out: what the Triton python-backend model runs on CPU.
+
+`load_decoder(deployment.json)` loads the target, its tokenizer and the proposer the package
+stage recorded; `Decoder.generate` tokenizes (with the chat template when asked), decodes with the
+runtime, and streams text increments that never split a multi-byte character or leak a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.decoding import generate
+from specdeploy.runtime.proposers import build_proposer
+from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """The target model and its tokenizer (the one switch point to specdeploy.models)."""
+    from specdeploy.models import load_causal_lm, load_tokenizer
+
+    return load_causal_lm(path, dtype=dtype), load_tokenizer(path)
+
+
+class TextStream:
+    """Turns growing token lists into safe text increments.
+
+    A byte-level token can end in the middle of a UTF-8 character (decoded as U+FFFD until the
+    rest arrives), and a stop string must not be streamed before it is known to be one, so the
+    last len(longest stop string) - 1 characters wait until generation ends.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...] = ()) -> None:
+        self.decode = decode
+        self.stop_strings = stop_strings
+        self.holdback = max((len(s) - 1 for s in stop_strings), default=0)
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        return self._send(text, min(len(cut_at_stop(text, self.stop_strings)), len(text) - self.holdback))
+
+    def finish(self, final_text: str) -> str:
+        return self._send(final_text, len(final_text))
+
+    def _send(self, text: str, end: int) -> str:
+        piece = text[self.sent : end] if end > self.sent else ""
+        self.sent += len(piece)
+        return piece
+
+
+def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """The text before the first stop string, which itself is not returned."""
+    cuts = [text.find(s) for s in stop_strings if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+class Decoder:
+    """One target, its tokenizer and an optional proposer; one request at a time."""
+
+    def __init__(
+        self,
+        target: Any,
+        tokenizer: Any,
+        proposer: Proposer | None = None,
+        *,
+        draft_len: int | None = None,
+        chat_template: bool = False,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.draft_len = draft_len
+        self.chat_template = chat_template
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Token ids of `prompt`, wrapped in the chat template when asked and there is one."""
+        if (self.chat_template if chat is None else chat) and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def generate(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        on_text: Callable[[str], None] | None = None,
+        *,
+        chat: bool | None = None,
+    ) -> tuple[str, GenerationResult]:
+        """The generated text (stop string excluded) and the runtime's result."""
+        stream = TextStream(self.decode, params.stop_strings)
+
+        def on_tokens(tokens: list[int]) -> None:
+            piece = stream.push(tokens)
+            if piece:
+                on_text(piece)
+
+        result = generate(
+            self.target,
+            self.encode(prompt, chat),
+            params,
+            self.proposer,
+            on_tokens=on_tokens if on_text else None,
+            draft_len=self.draft_len,
+            decode=self.decode,
+        )
+        text = cut_at_stop(self.decode(result.token_ids), params.stop_strings)
+        if on_text:
+            rest = stream.finish(text)
+            if rest:
+                on_text(rest)
+        return text, result
+
+
+def _local_path(base: Path, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def make_proposer(spec: dict[str, Any], target: Any, tokenizer: Any, base: Path = Path(".")) -> Proposer | None:
+    """The proposer a deployment spec asks for (None for kind "none"); paths relative to `base`."""
+    kind = spec.get("kind") or "none"
+    if kind == "none":
+        return None
+    if kind == "draft":
+        if not spec.get("draft_model_dir"):
+            raise SpecDeployError("spec kind 'draft' needs spec.draft_model_dir", hint="re-run the package stage")
+        draft_dir = _local_path(base, spec["draft_model_dir"])
+        return build_proposer("draft", target, draft_model_dir=str(draft_dir), tokenizer=tokenizer)
+    if kind == "ngram":
+        options = {key: spec[key] for key in ("max_ngram", "min_ngram") if key in spec}
+        return build_proposer("ngram", target, **options)
+    if not spec.get("path"):
+        raise SpecDeployError(f"spec kind {kind!r} needs spec.path (the trained module)", hint="re-run the package stage")
+    # the module folder, and the rest of the spec (choices, max_draft_len, mode...) as options
+    options = {key: value for key, value in spec.items() if key not in ("kind", "path") and value is not None}
+    return build_proposer(kind, target, spec_dir=str(_local_path(base, spec["path"])), **options)
+
+
+def load_decoder(path: str | Path) -> Decoder:
+    """A Decoder from deployment.json: {"model_dir", "dtype", "spec": {"kind", ...}}.
+
+    Relative paths are relative to the folder holding the file.
+    """
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecDeployError(f"cannot read {path}: {err}", hint="run `specdeploy package` to write it") from err
+    if "model_dir" not in config:
+        raise SpecDeployError(f"{path} has no model_dir", hint="re-run `specdeploy package`")
+    target, tokenizer = load_model(_local_path(path.parent, config["model_dir"]), config.get("dtype", "float32"))
+    spec = config.get("spec") or {}
+    return Decoder(
+        target,
+        tokenizer,
+        make_proposer(spec, target, tokenizer, path.parent),
+        draft_len=spec.get("max_draft_len"),
+        chat_template=bool(config.get("chat_template", False)),
+    )

@@ -1,0 +1,37 @@
+"""Keep only the accepted path in a transformers DynamicCache after a tree verification.
+
+After verifying [pending] + n tree nodes the cache holds prefix + n + 1 positions. The next round
+must see exactly the prefix, the pending token and the accepted nodes, in path order. A chain
+whose accepted nodes are a prefix of it only needs a crop; a tree path needs a gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def _layers(cache: DynamicCache) -> list:
+    layers = cache.layers
+    if any(layer.is_sliding for layer in layers):
+        raise NotImplementedError("sliding-window KV caches cannot be trimmed position by position")
+    return [layer for layer in layers if layer.is_initialized]
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+def keep_path(cache: DynamicCache, prefix_len: int, path: list[int]) -> None:
+    """Keep prefix, root (the pending token) and the accepted tree nodes `path`, in that order."""
+    rows = [0] + [node + 1 for node in path]
+    if rows == list(range(len(rows))):
+        crop(cache, prefix_len + len(rows))
+        return
+    index = torch.tensor(rows, dtype=torch.long) + prefix_len
+    for layer in _layers(cache):
+        layer.keys = torch.cat([layer.keys[..., :prefix_len, :], layer.keys.index_select(-2, index)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :prefix_len, :], layer.values.index_select(-2, index)], dim=-2)

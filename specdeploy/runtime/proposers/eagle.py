@@ -1,0 +1,248 @@
+"""EAGLE-3 proposer: the ModelOpt-trained eagle_module drafting from the target's own features.
+
+Each round the module first ingests the positions the target consumed since the last round
+(fc(three target layers) paired with the embedding of the token that followed, kept in the
+module's own KV cache), then drafts autoregressively from its own output features:
+
+- chain:   greedy top-1, k tokens;
+- static:  an eagle_choices tree (paths of top-k indices, like Medusa's);
+- dynamic: EAGLE-2: expand the `width` most likely nodes per depth (cumulative draft
+           probability), then keep the `max_tokens` most likely nodes overall.
+
+Every depth is one small forward over that depth's expanded nodes with a tree mask over the
+module's cache; draft entries are cropped from the cache before returning.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdeploy.choices import DEFAULT_TREE_10, ChoicesTree, validate_choices
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.types import DraftTree, Proposer, TargetState
+
+MODES = ("chain", "static", "dynamic")
+MAX_DEPTH = 8
+
+
+@dataclass
+class _Node:
+    draft_id: int
+    parent: int  # -1: child of the pending token
+    depth: int
+    score: float  # log of the cumulative draft probability of the path
+    col: int = -1  # column of this node's entry in the module cache, once expanded
+    h: torch.Tensor | None = None  # the module's output feature at this node (its children's input)
+    logp: torch.Tensor | None = None  # draft log-probs of this node's children
+    children: list[int] = field(default_factory=list)
+
+
+class EagleProposer(Proposer):
+    def __init__(
+        self, module: Any, embed: Any, lm_head: Any, hidden_layers: tuple[int, ...], *, mode: str = "dynamic",
+        choices: ChoicesTree | None = None, depth: int = 5, topk: int = 3, width: int = 3, chain_len: int = 4,
+    ) -> None:
+        self.module, self.embed, self.lm_head = module, embed, lm_head
+        self.hidden_layers = hidden_layers
+        self.mode, self.choices = mode, choices
+        self.depth, self.topk, self.width, self.chain_len = depth, topk, width, chain_len
+        self.kind = "chain" if mode == "chain" else "tree"
+        self.d2t = getattr(module, "d2t", None)
+        self.dtype = next(module.parameters()).dtype
+        module._maybe_init_rope()
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.module.config)
+        self.cache_len = 0  # entries of real (consumed) positions in the module cache
+        self.fed_until = 0  # the next real position to feed
+
+    # ------------------------------------------------------------------ module calls
+    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
+        """One module forward over q inputs; `allowed` (q, cache + q) bool is the attention mask."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        post, pre, _ = self.module(
+            hidden[None].to(self.dtype), self.embed(tokens[None]).to(self.dtype), attention_mask=mask[None, None],
+            position_ids=positions[None], past_key_values=self.cache, use_cache=True,
+        )
+        return torch.log_softmax(self.lm_head(post)[0].float(), dim=-1), pre[0]
+
+    def _ingest(self, state: TargetState) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Feed the newly consumed positions; the draft log-probs/feature after the pending token."""
+        tokens = state.tokens[0]
+        consumed = len(tokens) - 1
+        aux = torch.cat([state.hidden[layer][0] for layer in self.hidden_layers], dim=-1)
+        n_new = min(aux.shape[0], consumed)
+        if n_new > consumed - self.fed_until:  # a new request, or states we have already seen
+            self.reset()
+        self.cache.crop(self.cache_len)
+        start = consumed - n_new  # positions before it that we never saw stay out of the cache (gap)
+        fused = self.module.fc(aux[-n_new:].to(self.dtype))
+        allowed = torch.ones(n_new, self.cache_len + n_new, dtype=torch.bool)
+        allowed[:, self.cache_len:] = torch.tril(allowed[:, self.cache_len:])
+        logp, pre = self._run(fused, tokens[start + 1: consumed + 1], torch.arange(start, consumed), allowed)
+        self.cache_len += n_new
+        self.fed_until = consumed
+        return logp[-1], pre[-1], consumed
+
+    def _expand(self, nodes: list[_Node], ids: list[int], root_h: torch.Tensor, base_pos: int) -> None:
+        """Run the module on nodes `ids` (their parents already expanded) and store their outputs."""
+        if not ids:
+            return
+        cache_now = self.cache.get_seq_length()
+        allowed = torch.zeros(len(ids), cache_now + len(ids), dtype=torch.bool)
+        allowed[:, : self.cache_len] = True
+        for row, i in enumerate(ids):
+            allowed[row, cache_now + row] = True
+            parent = nodes[i].parent
+            while parent >= 0:
+                allowed[row, nodes[parent].col] = True
+                parent = nodes[parent].parent
+        hidden = torch.stack([root_h if nodes[i].parent < 0 else nodes[nodes[i].parent].h for i in ids])
+        tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in ids])
+        positions = torch.tensor([base_pos + nodes[i].depth - 1 for i in ids])
+        logp, pre = self._run(hidden, tokens, positions, allowed)
+        for row, i in enumerate(ids):
+            nodes[i].col, nodes[i].h, nodes[i].logp = cache_now + row, pre[row], logp[row]
+
+    def _target_id(self, draft_id: int) -> int:
+        return draft_id + int(self.d2t[draft_id]) if self.d2t is not None else draft_id
+
+    @staticmethod
+    def _add_children(nodes: list[_Node], parent: int, logp: torch.Tensor, k: int) -> list[int]:
+        values, indices = logp.topk(k)
+        base = nodes[parent].score if parent >= 0 else 0.0
+        added = []
+        for v, d in zip(values.tolist(), indices.tolist()):
+            nodes.append(_Node(draft_id=d, parent=parent, depth=1 if parent < 0 else nodes[parent].depth + 1, score=base + v))
+            if parent >= 0:
+                nodes[parent].children.append(len(nodes) - 1)
+            added.append(len(nodes) - 1)
+        return added
+
+    # ------------------------------------------------------------------ tree shapes
+    @torch.no_grad()
+    def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
+        if max_tokens <= 0 or not all(layer in state.hidden for layer in self.hidden_layers):
+            return DraftTree.empty()
+        root_logp, root_h, base_pos = self._ingest(state)
+        try:
+            if self.mode == "chain":
+                nodes, keep = self._chain(root_logp, root_h, base_pos, min(max_tokens, self.chain_len))
+            elif self.mode == "static":
+                nodes, keep = self._static(root_logp, root_h, base_pos, max_tokens)
+            else:
+                nodes, keep = self._dynamic(root_logp, root_h, base_pos, max_tokens)
+        finally:
+            self.cache.crop(self.cache_len)  # draft entries never outlive the round
+        return self._tree(nodes, keep)
+
+    def _chain(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, k: int):
+        nodes: list[_Node] = []
+        parent = -1
+        for step in range(k):
+            (parent,) = self._add_children(nodes, parent, logp if parent < 0 else nodes[parent].logp, 1)
+            if step < k - 1:
+                self._expand(nodes, [parent], h, base_pos)
+        return nodes, list(range(len(nodes)))
+
+    def _static(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, max_tokens: int):
+        paths = self.choices.paths[:max_tokens]
+        index: dict[tuple[int, ...], int] = {}
+        nodes: list[_Node] = []
+        for depth in range(1, max(len(p) for p in paths) + 1):
+            level = [p for p in paths if len(p) == depth]
+            parents = sorted({index[p[:-1]] for p in level} if depth > 1 else set())
+            self._expand(nodes, [i for i in parents if nodes[i].col < 0], h, base_pos)
+            tops: dict[int, list[int]] = {}
+            for p in level:
+                parent = index[p[:-1]] if depth > 1 else -1
+                if parent not in tops:
+                    k = 1 + max(q[-1] for q in level if q[:-1] == p[:-1])
+                    dist = logp if parent < 0 else nodes[parent].logp
+                    values, ids = dist.topk(k)
+                    tops[parent] = list(zip(ids.tolist(), values.tolist()))
+                d, v = tops[parent][p[-1]]
+                score = v + (nodes[parent].score if parent >= 0 else 0.0)
+                nodes.append(_Node(draft_id=d, parent=parent, depth=depth, score=score))
+                index[p] = len(nodes) - 1
+        return nodes, list(range(len(nodes)))
+
+    def _dynamic(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, max_tokens: int):
+        nodes: list[_Node] = []
+        level = self._add_children(nodes, -1, logp, min(self.topk, max_tokens))
+        for _ in range(1, self.depth):
+            best = sorted(level, key=lambda i: -nodes[i].score)[: self.width]
+            self._expand(nodes, best, h, base_pos)
+            level = [c for i in best for c in self._add_children(nodes, i, nodes[i].logp, self.topk)]
+        # the most likely nodes overall; a child never outscores its parent, so parents come first
+        keep: list[int] = []
+        chosen: set[int] = set()
+        for i in sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth)):
+            if len(keep) == max_tokens:
+                break
+            if nodes[i].parent < 0 or nodes[i].parent in chosen:
+                keep.append(i)
+                chosen.add(i)
+        return nodes, sorted(keep, key=lambda i: (nodes[i].depth, i))
+
+    def _tree(self, nodes: list[_Node], keep: list[int]) -> DraftTree:
+        new_index = {old: new for new, old in enumerate(keep)}
+        tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in keep], dtype=torch.long)
+        parents = [-1 if nodes[i].parent < 0 else new_index[nodes[i].parent] for i in keep]
+        return DraftTree(tokens=tokens, parents=parents)
+
+
+def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: int | None, seed: int):
+    from specdeploy.spec import eagle as eagle_spec
+    from specdeploy.spec import load_module_model, read_spec_config
+
+    if spec_dir is not None:
+        config = read_spec_config(spec_dir)
+        if config["kind"] != "eagle":
+            raise SpecDeployError(f"{spec_dir} holds {config['kind']} heads, not an EAGLE module", hint="use --spec medusa")
+        modelopt_config = config["modelopt_config"]
+    else:
+        config = {}
+        modelopt_config = eagle_spec.modelopt_config(target.config, draft_vocab_size=draft_vocab or target.config.vocab_size)
+    dtype = next(target.parameters()).dtype
+    skeleton = load_module_model(target.config, "eagle", modelopt_config, spec_dir, dtype=dtype, seed=seed)
+    layers = config.get("hidden_layers") or eagle_spec.hidden_layers(target.config.num_hidden_layers)
+    return skeleton.eagle_module, tuple(layers), config
+
+
+def build(
+    target: Any, *, spec_dir: str | os.PathLike | None = None, mode: str = "dynamic",
+    choices: list[list[int]] | str | None = None, depth: int = 5, topk: int = 3, width: int = 3,
+    chain_len: int = 4, max_depth: int = MAX_DEPTH, max_draft_len: int | None = None,
+    draft_vocab: int | None = None, seed: int = 0, **_: Any,
+) -> EagleProposer:
+    """An EAGLE proposer from a spec/ folder (trained) or a fresh module (tests).
+
+    mode chain | static (choices: eagle_choices) | dynamic (EAGLE-2: depth, topk, width).
+    """
+    if mode not in MODES:
+        raise SpecDeployError(f"unknown EAGLE tree mode '{mode}'", hint=f"use one of: {', '.join(MODES)}")
+    for name, value in (("depth", depth), ("topk", topk), ("width", width), ("chain_len", chain_len)):
+        if value <= 0:
+            raise SpecDeployError(f"EAGLE {name} must be positive, got {value}", hint=f"pass a positive {name}")
+    if depth > max_depth or chain_len > max_depth:
+        raise SpecDeployError(f"EAGLE draft depth {max(depth, chain_len)} exceeds {max_depth}", hint=f"use at most {max_depth}")
+    module, layers, config = _module_from(target, spec_dir, draft_vocab, seed)
+    tree = None
+    if mode == "static":
+        tree = validate_choices(
+            choices if choices is not None else config.get("choices", DEFAULT_TREE_10),
+            max_depth=max_depth, max_draft_len=max_draft_len, name="eagle_choices",
+        )
+    lm_head = module.lm_head if hasattr(module, "lm_head") else target.get_output_embeddings()
+    return EagleProposer(
+        module, target.get_input_embeddings(), lm_head, layers, mode=mode, choices=tree,
+        depth=depth, topk=topk, width=width, chain_len=chain_len,
+    )

@@ -1,0 +1,75 @@
+"""Medusa proposer: a static tree (medusa_choices) over the heads' top-k.
+
+Head i reads the target's last hidden state at the last consumed position and proposes the token
+at depth i + 1 (the pending token is depth 0). A tree path [a, b, c] means "head 0's top-(a+1),
+then head 1's top-(b+1), then head 2's top-(c+1)": the tokens of a node depend only on its own
+depth and index, which is what makes Medusa's tree cheap (one head call per depth per round).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from specdeploy.choices import ChoicesTree, validate_choices
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.types import DraftTree, Proposer, TargetState
+
+
+class MedusaProposer(Proposer):
+    kind = "tree"
+    hidden_layers = (-1,)
+
+    def __init__(self, heads: torch.nn.ModuleList, choices: ChoicesTree) -> None:
+        self.heads = heads
+        self.choices = choices
+        self.parents = choices.parents()
+        depth = choices.depth
+        # how many candidates each head must offer (largest top-k index at that depth, + 1)
+        self.topk = [1 + max(p[d] for p in choices.paths if len(p) > d) for d in range(depth)]
+
+    @torch.no_grad()
+    def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
+        if max_tokens <= 0 or -1 not in state.hidden:
+            return DraftTree.empty()
+        h = state.hidden[-1][0, -1:]  # (1, H): the last consumed position
+        heads = self.heads[: self.choices.depth]
+        top = [head(h.to(head[-1].weight.dtype))[0].topk(k).indices for head, k in zip(heads, self.topk)]
+        paths = self.choices.paths[:max_tokens]  # sorted by depth: any prefix is a valid tree
+        tokens = torch.stack([top[len(p) - 1][p[-1]] for p in paths]).long()
+        return DraftTree(tokens=tokens, parents=self.parents[: len(paths)])
+
+
+def _heads_from(target: Any, spec_dir: str | os.PathLike | None, num_heads: int, num_layers: int, seed: int) -> tuple[torch.nn.ModuleList, dict]:
+    from specdeploy.spec import load_module_model, read_spec_config
+    from specdeploy.spec import medusa as medusa_spec
+
+    if spec_dir is not None:
+        config = read_spec_config(spec_dir)
+        if config["kind"] != "medusa":
+            raise SpecDeployError(f"{spec_dir} holds a {config['kind']} module, not Medusa heads", hint="use --spec eagle")
+        modelopt_config = config["modelopt_config"]
+    else:
+        config, modelopt_config = {}, medusa_spec.modelopt_config(num_heads, num_layers)
+    dtype = next(target.parameters()).dtype
+    skeleton = load_module_model(target.config, "medusa", modelopt_config, spec_dir, dtype=dtype, seed=seed)
+    if spec_dir is None:  # untrained: start each head at the target's own lm_head, like training does
+        with torch.no_grad():
+            for head in skeleton.medusa_heads:
+                head[-1].weight.copy_(target.get_output_embeddings().weight)
+    return skeleton.medusa_heads, config
+
+
+def build(
+    target: Any, *, spec_dir: str | os.PathLike | None = None, choices: list[list[int]] | str | None = None,
+    num_heads: int = 3, num_layers: int = 1, max_draft_len: int | None = None, seed: int = 0, **_: Any,
+) -> MedusaProposer:
+    """Medusa heads from a spec/ folder (trained), or fresh ones (num_heads/num_layers; tests)."""
+    heads, config = _heads_from(target, spec_dir, num_heads, num_layers, seed)
+    tree = validate_choices(
+        choices if choices is not None else config.get("choices", [[0], [0, 0], [0, 0, 0]][: len(heads)]),
+        max_depth=len(heads), max_draft_len=max_draft_len, name="medusa_choices",
+    )
+    return MedusaProposer(heads, tree)

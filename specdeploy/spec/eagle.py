@@ -1,0 +1,117 @@
+"""EAGLE-3 with ModelOpt: the conversion config for a given base, a reduced draft vocabulary,
+and one training step on precomputed ("offline") base hidden states.
+
+On this CPU the base forward and the 49k-vocabulary head dominate ModelOpt's online training
+(shared/facts.md). Offline mode drops the base decoder layers entirely, and a draft vocabulary
+of the most frequent target tokens shrinks the draft's lm_head and every TTT softmax.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+def aux_layer_ids(num_layers: int) -> list[int]:
+    """ModelOpt's default EAGLE-3 auxiliary layers (0-based decoder layers): early, middle, late."""
+    return sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)})
+
+
+def hidden_layers(num_layers: int) -> list[int]:
+    """The same layers in output_hidden_states indexing (0 = embeddings): what the proposer reads."""
+    return [i + 1 for i in aux_layer_ids(num_layers)]
+
+
+def _rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def modelopt_config(
+    base_config: Any, *, draft_vocab_size: int, num_layers: int = 1, ttt_steps: int = 3,
+    intermediate_size: int | None = None, offline: bool = False,
+) -> dict[str, Any]:
+    """The dict for mtsp.convert(model, [("eagle", cfg)]), sized for this base (not for 8B)."""
+    heads = base_config.num_attention_heads
+    head_dim = getattr(base_config, "head_dim", None) or base_config.hidden_size // heads
+    theta = _rope_theta(base_config)
+    arch = {
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(base_config, "num_key_value_heads", heads),
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size or base_config.intermediate_size,
+        "draft_vocab_size": min(draft_vocab_size, base_config.vocab_size),
+        "use_aux_hidden_state": True,
+        "use_last_layernorm": True,
+        "eagle_aux_hidden_state_layer_ids": aux_layer_ids(base_config.num_hidden_layers),
+        "rms_norm_eps": getattr(base_config, "rms_norm_eps", 1e-5),
+        "rope_theta": theta,
+        "rope_scaling": {"rope_type": "default", "rope_theta": theta},
+        "torch_dtype": "float32",
+    }
+    return {
+        "eagle_offline": offline,
+        "eagle_use_torch_compile": False,  # ~100x slower steps on CPU (facts.md)
+        "eagle_ttt_steps": ttt_steps,
+        "eagle_architecture_config": arch,
+    }
+
+
+def online_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config recorded in spec_config.json: the same module on a model with its base layers."""
+    out = copy.deepcopy(config)
+    out["eagle_offline"] = False
+    return out
+
+
+def draft_vocab(tokens: torch.Tensor, valid: torch.Tensor, size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """d2t (target = draft + d2t[draft]) for the `size` most frequent next tokens, and their coverage."""
+    targets = tokens[1:][valid[:-1]]
+    counts = torch.bincount(targets, minlength=vocab_size).float()
+    counts += torch.linspace(1e-3, 0, vocab_size)  # ties: prefer low ids (special tokens, bytes)
+    chosen = torch.sort(torch.topk(counts, size).indices).values
+    coverage = float(counts[chosen].sum() / counts.sum())
+    return chosen - torch.arange(size), coverage
+
+
+@torch.no_grad()
+def init_module(model: Any, d2t: torch.Tensor | None) -> None:
+    """Draft vocabulary mapping, and the draft lm_head/norm started from the base's (faster start)."""
+    module = model.eagle_module
+    base_head = model._base_model_lm_head.weight
+    if hasattr(module, "d2t") and d2t is not None:
+        module.d2t.copy_(d2t)
+    if hasattr(module, "lm_head"):
+        rows = torch.arange(module.lm_head.weight.shape[0])
+        if hasattr(module, "d2t"):
+            rows = rows + module.d2t
+        module.lm_head.weight.copy_(base_head[rows])
+    norm = getattr(model._base_model, "norm", None)
+    if hasattr(module, "norm") and norm is not None:
+        module.norm.weight.copy_(norm.weight)
+
+
+def trainable(model: Any) -> list[torch.nn.Parameter]:
+    return [p for p in model.eagle_module.parameters() if p.requires_grad]
+
+
+def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int, aux_layers: list[int]) -> tuple[torch.Tensor, list[float]]:
+    """ModelOpt's EAGLE-3 forward (TTT steps, logit distillation) on precomputed hidden states."""
+    model._cached_attn_blk_masks = {}  # ModelOpt caches the TTT mask by step index only
+    hidden = batch["hidden"]
+    outputs = {
+        "base_model_hidden_states": hidden[last_layer].float(),
+        "aux_hidden_states": torch.cat([hidden[i].float() for i in aux_layers], dim=-1),
+    }
+    out = model(
+        input_ids=batch["tokens"],
+        attention_mask=torch.ones_like(batch["tokens"]),
+        loss_mask=batch["valid"].long(),
+        base_model_outputs=outputs,
+    )
+    return out.loss, [float(a) for a in out.train_acc[0]]

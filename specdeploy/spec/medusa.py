@@ -1,0 +1,56 @@
+"""Medusa heads with ModelOpt: the conversion config and a training step on precomputed hidden
+states. Head i reads the base's last (normed) hidden state at position t and predicts token
+t + 2 + i, as in ModelOpt's HFMedusaModel loss; the frozen base never runs during training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DECAY = 0.8  # later heads matter less: a token is only accepted if every earlier one was
+
+
+def modelopt_config(num_heads: int = 3, num_layers: int = 1) -> dict[str, Any]:
+    return {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers}
+
+
+def hidden_layers(num_layers: int) -> list[int]:
+    return [num_layers]  # the last, normed hidden state (output_hidden_states[-1])
+
+
+@torch.no_grad()
+def init_module(model: Any) -> None:
+    """Each head's vocabulary projection starts as the base lm_head (ResBlocks start as identity)."""
+    for head in model.medusa_heads:
+        head[-1].weight.copy_(model.lm_head.weight)
+
+
+def trainable(model: Any) -> list[torch.nn.Parameter]:
+    params = [p for p in model.medusa_heads.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def sample_ids(valid: torch.Tensor) -> torch.Tensor:
+    """Which sample each position belongs to (every sample ends with one invalid position)."""
+    ends = (~valid).long()
+    return torch.cumsum(ends, 0) - ends
+
+
+def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int) -> tuple[torch.Tensor, list[float]]:
+    """batch: positions (P,), and the whole data's tokens/valid/sample ids/hidden."""
+    pos = batch["positions"]
+    h = batch["hidden"][last_layer][pos].float()
+    tokens, sid = batch["tokens"], batch["sample_ids"]
+    loss = h.new_zeros(())
+    accs = []
+    for i, head in enumerate(model.medusa_heads):
+        target_pos = (pos + 2 + i).clamp(max=len(tokens) - 1)
+        ok = (sid[target_pos] == sid[pos]) & (pos + 2 + i < len(tokens))
+        logits = head(h).float()
+        ce = torch.nn.functional.cross_entropy(logits, tokens[target_pos], reduction="none")
+        loss = loss + (ce * ok).sum() / ok.sum().clamp(min=1) * DECAY**i
+        accs.append(float(((logits.argmax(-1) == tokens[target_pos]) & ok).sum() / ok.sum().clamp(min=1)))
+    return loss, accs

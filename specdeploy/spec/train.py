@@ -1,0 +1,258 @@
+"""Train a Medusa or EAGLE module (ModelOpt-converted model, base frozen) on cached
+self-distillation data; checkpointed (safetensors) and resumable; writes the spec/ contract."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdeploy.choices import DEFAULT_TREE_10, validate_choices
+from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import atomic_write_json
+from specdeploy.spec import EAGLE_EXPORT, MODULE_FILE, SPEC_CONFIG, convert_model, module_state_dict
+from specdeploy.spec import eagle as eagle_spec
+from specdeploy.spec import medusa as medusa_spec
+from specdeploy.spec.common import load_base, load_checkpoint, save_checkpoint, save_tensors
+from specdeploy.spec.distill import DistillData, distill
+
+MEDUSA_TREE: list[list[int]] = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@dataclass
+class TrainSettings:
+    """Everything that changes the trained module (the stage's settings)."""
+
+    kind: str = "eagle"
+    steps: int = 300
+    lr: float = 1e-3
+    batch_size: int = 4  # EAGLE: windows per step; Medusa: positions per step = batch_size * window
+    window: int = 256
+    num_prompts: int = 160
+    max_new_tokens: int = 192
+    teacher_forced: int = 0  # extra ShareGPT answers read (not generated) by the base
+    distill_batch: int = 64
+    medusa_heads: int = 3
+    medusa_layers: int = 1
+    eagle_layers: int = 1
+    draft_vocab: int = eagle_spec.DEFAULT_DRAFT_VOCAB
+    ttt_steps: int = 3
+    time_budget_s: float = 0.0  # stop early (and still save) after this many training seconds; 0 = none
+    checkpoint_every: int = 50
+    seed: int = 0
+    choices: list[list[int]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.kind not in ("medusa", "eagle"):
+            raise SpecDeployError(f"unknown spec kind '{self.kind}'", hint="use --spec medusa or --spec eagle")
+        for name in ("steps", "batch_size", "window", "num_prompts", "max_new_tokens", "medusa_heads", "eagle_layers", "ttt_steps"):
+            if getattr(self, name) <= 0:
+                raise SpecDeployError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}", hint="pass a positive value")
+        if self.lr <= 0:
+            raise SpecDeployError(f"lr must be positive, got {self.lr}", hint="e.g. --lr 1e-3")
+        default_choices(self)  # raises a SpecDeployError naming the bad path
+
+
+def default_choices(settings: TrainSettings) -> list[list[int]]:
+    """The tree recorded in spec_config.json, validated against the module's depth."""
+    if settings.kind == "medusa":
+        tree = settings.choices or [p for p in MEDUSA_TREE if len(p) <= settings.medusa_heads]
+        name, depth = "medusa_choices", settings.medusa_heads
+    else:
+        tree, name, depth = settings.choices or DEFAULT_TREE_10, "eagle_choices", None
+    return validate_choices(tree, max_depth=depth, name=name).to_list()
+
+
+def data_layers(num_layers: int) -> list[int]:
+    """Hidden states captured once for both kinds: EAGLE-3's three aux layers + the last (normed)."""
+    return sorted(set(eagle_spec.hidden_layers(num_layers)) | {num_layers})
+
+
+def _modelopt_config(settings: TrainSettings, base_config: Any, offline: bool) -> dict[str, Any]:
+    if settings.kind == "medusa":
+        return medusa_spec.modelopt_config(settings.medusa_heads, settings.medusa_layers)
+    return eagle_spec.modelopt_config(
+        base_config, draft_vocab_size=settings.draft_vocab, num_layers=settings.eagle_layers,
+        ttt_steps=settings.ttt_steps, offline=offline,
+    )
+
+
+def _batch(data: DistillData, settings: TrainSettings, gen: torch.Generator, sample_ids: torch.Tensor | None) -> dict:
+    n = len(data.tokens)
+    if settings.kind == "medusa":
+        valid_pos = data.valid.nonzero().squeeze(1)
+        pick = valid_pos[torch.randint(len(valid_pos), (settings.batch_size * settings.window,), generator=gen)]
+        return {"positions": pick, "tokens": data.tokens, "hidden": data.hidden, "sample_ids": sample_ids}
+    window = min(settings.window, n)
+    starts = torch.randint(0, n - window + 1, (settings.batch_size,), generator=gen).tolist()
+    rows = [slice(s, s + window) for s in starts]
+    return {
+        "tokens": torch.stack([data.tokens[r] for r in rows]),
+        "valid": torch.stack([data.valid[r] for r in rows]),
+        "hidden": {k: torch.stack([v[r] for r in rows]) for k, v in data.hidden.items()},
+    }
+
+
+def _lr(settings: TrainSettings, step: int, elapsed: float = 0.0) -> float:
+    """Warmup, then cosine to 10%; a time-budgeted run anneals by whichever ends first."""
+    warmup = max(1, settings.steps // 20)
+    if step < warmup:
+        return settings.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, settings.steps - warmup)
+    if settings.time_budget_s:
+        progress = max(progress, elapsed / settings.time_budget_s)
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def build_training_model(base_dir: Path, settings: TrainSettings, data: DistillData) -> tuple[Any, dict, dict]:
+    """The converted model ready to train, the online modelopt config, and extra facts to record."""
+    model = load_base(base_dir, "float32")
+    num_layers = model.config.num_hidden_layers
+    config = _modelopt_config(settings, model.config, offline=True)
+    convert_model(model, settings.kind, config)
+    extra: dict[str, Any] = {}
+    if settings.kind == "medusa":
+        medusa_spec.init_module(model)
+        online = config
+    else:
+        size = model.eagle_module.config.draft_vocab_size
+        d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, size, model.config.vocab_size)
+        eagle_spec.init_module(model, d2t if size < model.config.vocab_size else None)
+        extra = {"draft_vocab_size": size, "draft_vocab_coverage": round(coverage, 4)}
+        online = eagle_spec.online_config(config)
+    extra["hidden_layers"] = medusa_spec.hidden_layers(num_layers) if settings.kind == "medusa" else eagle_spec.hidden_layers(num_layers)
+    return model, online, extra
+
+
+def _step(model: Any, settings: TrainSettings, batch: dict, num_layers: int) -> tuple[torch.Tensor, list[float]]:
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # AMX/avx512-bf16 matmuls; master weights fp32
+        if settings.kind == "medusa":
+            return medusa_spec.training_step(model, batch, num_layers)
+        return eagle_spec.training_step(model, batch, num_layers, eagle_spec.hidden_layers(num_layers))
+
+
+def train(base_dir: str | Path, out_dir: str | Path, settings: TrainSettings, ckpt_dir: str | Path | None = None,
+          data: DistillData | None = None, stop_at: int | None = None) -> dict[str, Any]:
+    """Train and write spec_config.json + module.safetensors (+ eagle3_export/) into out_dir.
+
+    stop_at: end this invocation after that many steps (checkpointed), as an interruption would.
+    """
+    from tqdm import tqdm
+
+    settings.validate()
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    num_layers = json.loads((base_dir / "config.json").read_text())["num_hidden_layers"]
+    if data is None:
+        data = distill(base_dir, num_prompts=settings.num_prompts, max_new_tokens=settings.max_new_tokens,
+                       layers=data_layers(num_layers), batch_size=settings.distill_batch,
+                       teacher_forced_samples=settings.teacher_forced)
+    torch.manual_seed(settings.seed)
+    model, online_config, extra = build_training_model(base_dir, settings, data)
+    model.train()
+    params = medusa_spec.trainable(model) if settings.kind == "medusa" else eagle_spec.trainable(model)
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    ckpt = Path(ckpt_dir) if ckpt_dir else None
+    start, history, elapsed = _resume(model, optimizer, settings, ckpt)
+    sample_ids = medusa_spec.sample_ids(data.valid) if settings.kind == "medusa" else None
+    bar = tqdm(range(start, settings.steps), desc=f"train {settings.kind}", unit="step", initial=start, total=settings.steps)
+    began = time.time() - elapsed
+    step = start
+    for step in bar:
+        gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # resumable data order
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(settings, step, time.time() - began)
+        loss, accs = _step(model, settings, _batch(data, settings, gen, sample_ids), num_layers)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        history.append({"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(a, 3) for a in accs]})
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        out_of_time = bool(settings.time_budget_s and time.time() - began >= settings.time_budget_s)
+        out_of_time = out_of_time or (stop_at is not None and step + 1 >= stop_at)
+        if ckpt and ((step + 1) % settings.checkpoint_every == 0 or out_of_time):
+            _checkpoint(model, optimizer, settings, ckpt, step + 1, history, time.time() - began)
+        if out_of_time:
+            step += 1
+            break
+    else:
+        step = settings.steps
+    bar.close()
+    stats = _stats(history, step, time.time() - began, data, settings)
+    _write_spec(model, out_dir, settings, online_config, extra, stats, base_dir)
+    return stats
+
+
+def _ckpt_state(settings: TrainSettings) -> dict[str, Any]:
+    keep = asdict(settings)
+    for volatile in ("steps", "time_budget_s", "checkpoint_every"):
+        keep.pop(volatile)  # a longer run may resume a shorter one
+    return keep
+
+
+def _resume(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path | None) -> tuple[int, list, float]:
+    if ckpt is None or not (ckpt / "state.json").is_file():
+        return 0, [], 0.0
+    if json.loads((ckpt / "state.json").read_text()).get("settings") != json.loads(json.dumps(_ckpt_state(settings))):
+        shutil.rmtree(ckpt)  # another configuration: start over
+        return 0, [], 0.0
+    module, state = load_checkpoint(ckpt, optimizer)
+    model.load_state_dict(module, strict=False)
+    print(f"resuming {settings.kind} training at step {state['step']} from {ckpt}")
+    return int(state["step"]), state["history"], float(state["seconds"])
+
+
+def _checkpoint(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path, step: int, history: list, seconds: float) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "state.json").unlink(missing_ok=True)  # incomplete until state.json is back
+    state = {"step": step, "history": history, "seconds": seconds, "settings": _ckpt_state(settings)}
+    save_checkpoint(ckpt, module_state_dict(model, settings.kind), optimizer, state)
+
+
+def _stats(history: list, steps: int, seconds: float, data: DistillData, settings: TrainSettings) -> dict[str, Any]:
+    def mean(rows: list, key: str) -> float:
+        return round(sum(r[key] for r in rows) / max(len(rows), 1), 4)
+
+    head = history[: max(1, min(10, len(history) // 5))]
+    tail = history[-max(1, min(10, len(history) // 5)):]
+    acc_tail = [round(sum(r["acc"][i] for r in tail) / len(tail), 3) for i in range(len(tail[0]["acc"]))] if tail else []
+    return {
+        "steps": steps, "seconds": round(seconds, 1), "first_loss": mean(head, "loss"), "final_loss": mean(tail, "loss"),
+        "final_acc": acc_tail, "lr": settings.lr, "tokens": data.num_tokens,
+        "distill": data.info, "settings": asdict(settings),
+    }
+
+
+def _write_spec(model: Any, out_dir: Path, settings: TrainSettings, online_config: dict, extra: dict, stats: dict, base_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_tensors(out_dir / MODULE_FILE, module_state_dict(model, settings.kind))
+    config = {
+        "format_version": 1, "kind": settings.kind, "modelopt_config": online_config,
+        "choices": default_choices(settings), "base_model": str(base_dir), "training": stats, **extra,
+    }
+    atomic_write_json(out_dir / SPEC_CONFIG, config)
+    if settings.kind == "eagle":
+        export_eagle(base_dir, out_dir)
+
+
+def export_eagle(base_dir: Path, spec_dir: Path) -> Path:
+    """ModelOpt's export_speculative_decoding of the trained module (a fresh online model)."""
+    from modelopt.torch.export import export_speculative_decoding
+
+    from specdeploy.spec import load_spec_model
+
+    model = load_spec_model(base_dir, spec_dir)
+    tmp = spec_dir / f".{EAGLE_EXPORT}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_speculative_decoding(model, export_dir=str(tmp))
+    final = spec_dir / EAGLE_EXPORT
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final

@@ -1,0 +1,127 @@
+"""`specdeploy spec validate`: acceptance length of a trained module on held-out prompts, per
+category (chat: held-out ShareGPT, code: HumanEval), like ModelOpt's ar_validate; optionally
+the wall-clock speed-up over plain decoding, both measured interleaved prompt by prompt in one run
+(the machine is shared: interleaving spreads other load over both arms)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.spec.common import chat_prompts, code_prompts
+
+CATEGORIES = ("chat", "code")
+
+
+@dataclass
+class CategoryResult:
+    prompts: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    spec_seconds: float = 0.0
+    plain_tokens: int = 0
+    plain_seconds: float = 0.0
+    exact: int = 0  # prompts whose speculative output equals plain decoding (when measured)
+    per_prompt: list[float] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def speedup(self) -> float | None:
+        if not self.plain_seconds or not self.spec_seconds:
+            return None
+        return (self.new_tokens / self.spec_seconds) / (self.plain_tokens / self.plain_seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"prompts": self.prompts, "acceptance_length": round(self.acceptance_length, 3),
+               "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+               "spec_tokens_per_s": round(self.new_tokens / self.spec_seconds, 2) if self.spec_seconds else None}
+        if self.plain_seconds:
+            out.update(plain_tokens_per_s=round(self.plain_tokens / self.plain_seconds, 2),
+                       speedup=round(self.speedup or 0.0, 3), exact_match=f"{self.exact}/{self.prompts}")
+        return out
+
+
+def encode(tokenizer: Any, text: str, category: str, max_prompt_tokens: int = 256) -> list[int]:
+    """Chat prompts through the chat template (as served); code prompts as raw completions."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
+    if category == "chat" and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(ids)}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+    return ids
+
+
+def prompts_for(category: str, n: int) -> list[str]:
+    if category == "chat":
+        return chat_prompts(n, "heldout")
+    if category == "code":
+        return code_prompts(n)
+    raise SpecDeployError(f"unknown category '{category}'", hint=f"use {', '.join(CATEGORIES)}")
+
+
+def measure(
+    target: Any, tokenizer: Any, proposer: Any, *, categories: tuple[str, ...] = CATEGORIES, num_prompts: int = 8,
+    max_new_tokens: int = 96, speedup: bool = False, draft_len: int | None = None, adaptive: bool = False,
+) -> dict[str, CategoryResult]:
+    """Per category: acceptance length (and plain vs speculative timings, interleaved)."""
+    from tqdm import tqdm
+
+    from specdeploy.runtime.decoding import generate
+    from specdeploy.runtime.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    results: dict[str, CategoryResult] = {}
+    for category in categories:
+        result = results.setdefault(category, CategoryResult())
+        for text in tqdm(prompts_for(category, num_prompts), desc=f"validate {category}", unit="prompt"):
+            ids = encode(tokenizer, text, category)
+            plain = None
+            if speedup:
+                start = time.perf_counter()
+                plain = generate(target, ids, params)
+                result.plain_seconds += time.perf_counter() - start
+                result.plain_tokens += len(plain.token_ids)
+            start = time.perf_counter()
+            out = generate(target, ids, params, proposer, draft_len=draft_len, adaptive=adaptive)
+            result.spec_seconds += time.perf_counter() - start
+            result.prompts += 1
+            result.new_tokens += out.metrics.new_tokens
+            result.target_forwards += out.metrics.target_forwards
+            result.per_prompt.append(round(out.metrics.acceptance_length, 3))
+            result.exact += int(plain is not None and plain.token_ids == out.token_ids)
+    return results
+
+
+def overall(results: dict[str, CategoryResult]) -> float:
+    tokens = sum(r.new_tokens for r in results.values())
+    return tokens / max(sum(r.target_forwards for r in results.values()), 1)
+
+
+def check_bound(results: dict[str, CategoryResult], bound: float | None) -> None:
+    """ModelOpt ar_validate-style gate: the mean acceptance length over all prompts."""
+    if bound is None:
+        return
+    value = overall(results)
+    if value < bound:
+        per = ", ".join(f"{c} {r.acceptance_length:.2f}" for c, r in results.items())
+        raise SpecDeployError(
+            f"acceptance length {value:.2f} is below --ar-lower-bound {bound} ({per})",
+            hint="train longer (--steps, --num-prompts), or lower the bound",
+        )
+
+
+def load_for_validation(base_dir: Path, spec_dir: Path, dtype: str, proposer_options: dict[str, Any]) -> tuple[Any, Any, Any]:
+    from specdeploy.models import load_causal_lm, load_tokenizer
+    from specdeploy.runtime.proposers import build_proposer
+    from specdeploy.spec import read_spec_config
+
+    kind = read_spec_config(spec_dir)["kind"]
+    target = load_causal_lm(base_dir, dtype=dtype)
+    proposer = build_proposer(kind, target, spec_dir=spec_dir, **proposer_options)
+    return target, load_tokenizer(base_dir), proposer

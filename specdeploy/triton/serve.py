@@ -1,0 +1,315 @@
+"""`specdeploy serve`: a real tritonserver on a packaged model repository, loopback by default.
+
+On this machine the binary is the one bundled in nvidia-pytriton (shared/facts.md: a backend
+directory of symlinks, the interpreter's libpython first on LD_LIBRARY_PATH, the venv's bin/
+first on PATH so the Python-backend stub runs in this environment). On a GPU host
+`--tritonserver` points at the container's own binary.
+
+`TritonServer` is the reusable piece: tests, `specdeploy verify` and the load test start it
+with `with TritonServer(repo) as server: server.http_url ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import FrameType
+
+from specdeploy.errors import SpecDeployError
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "triton_python_backend_shm_region_"
+_PY_TAG = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def bundled_tritonserver() -> Path:
+    """The tritonserver binary shipped inside the nvidia-pytriton wheel."""
+    try:
+        import pytriton
+    except ImportError as err:
+        raise SpecDeployError("nvidia-pytriton is not installed", hint="run `make venv`") from err
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    if not binary.exists():
+        raise SpecDeployError(f"no tritonserver in {root}", hint="reinstall nvidia-pytriton==0.7.0")
+    return binary
+
+
+def make_backend_dir(work: Path, tritonserver: Path) -> Path:
+    """<work>/backends/python/ with symlinks to the Python backend and this Python's stub."""
+    root = tritonserver.parent.parent
+    python = work / "backends" / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    links = {
+        "libtriton_python.so": root / "backends" / "python" / "libtriton_python.so",
+        "triton_python_backend_utils.py": root / "backends" / "python" / "triton_python_backend_utils.py",
+        # a symlink (not a copy) keeps the stub's RPATH pointing at the wheel's libraries
+        "triton_python_backend_stub": root / "python_backend_stubs" / _PY_TAG / "triton_python_backend_stub",
+    }
+    for name, target in links.items():
+        if not target.exists():
+            raise SpecDeployError(f"missing {target}", hint=f"nvidia-pytriton has no Python {_PY_TAG} stub")
+        link = python / name
+        if not link.is_symlink():
+            link.unlink(missing_ok=True)
+            link.symlink_to(target)
+    return work / "backends"
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the stub needs: this interpreter's libpython and venv first."""
+    env = dict(os.environ if base is None else base)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    # the runtime's torch threads share the machine's cores with the server's own threads
+    env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+    return env
+
+
+def shm_regions(prefix: str = SHM_PREFIX) -> set[str]:
+    return set(glob.glob(str(SHM_DIR / f"{prefix}*")))
+
+
+class TritonServer:
+    """One tritonserver process: start() waits until ready, stop() ends it and cleans its shm."""
+
+    def __init__(
+        self,
+        repo: str | os.PathLike,
+        *,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        host: str = "127.0.0.1",
+        log_path: str | os.PathLike | None = None,
+        tritonserver: str | os.PathLike | None = None,
+        ready_timeout: float = 180.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.repo = Path(repo).resolve()
+        self.host = host
+        self.http_port = http_port or free_port(host)
+        self.grpc_port = grpc_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
+        self.log_path = Path(log_path) if log_path else None
+        self.tritonserver = Path(tritonserver) if tritonserver else None
+        self.ready_timeout = ready_timeout
+        self.extra_args = tuple(extra_args)
+        self.process: subprocess.Popen | None = None
+        self._work: Path | None = None
+        self._log_file = None
+        # a prefix of its own: stop() removes exactly this server's regions, never those of
+        # another server running beside it
+        self.shm_prefix = f"{SHM_PREFIX}specdeploy_{os.getpid()}_{id(self):x}_"
+
+    # -- addresses ---------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        """host:port, the form tritonclient.http.InferenceServerClient takes."""
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {"http": self.http_url, "grpc": self.grpc_url, "metrics": self.metrics_url}
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def command(self, backends: Path) -> list[str]:
+        binary = self.tritonserver or bundled_tritonserver()
+        return [
+            str(binary),
+            "--model-repository", str(self.repo),
+            "--backend-directory", str(backends),
+            "--http-address", self.host, "--http-port", str(self.http_port),
+            "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
+            "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
+            "--exit-timeout-secs", "5",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            *self.extra_args,
+        ]
+
+    def start(self) -> "TritonServer":
+        if not (self.repo / "ensemble").exists() and not any(self.repo.glob("*/config.pbtxt")):
+            raise SpecDeployError(f"{self.repo} is not a model repository", hint="run `specdeploy package` first")
+        self._work = Path(tempfile.mkdtemp(prefix="specdeploy-triton-"))
+        backends = make_backend_dir(self._work, self.tritonserver or bundled_tritonserver())
+        log = self.log_path or self._work / "tritonserver.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log
+        self._log_file = open(log, "ab")
+        self.process = subprocess.Popen(
+            self.command(backends), stdout=self._log_file, stderr=subprocess.STDOUT,
+            env=server_env(), start_new_session=True,  # its own group: stop() reaches the stubs
+        )
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise SpecDeployError(
+                    f"tritonserver exited with code {self.process.returncode} while loading {self.repo}",
+                    hint=f"see its log: {self.log_path}\n{self.log_tail()}",
+                )
+            if self.ready():
+                return
+            time.sleep(0.25)
+        raise SpecDeployError(
+            f"tritonserver not ready after {self.ready_timeout:.0f} s", hint=f"see its log: {self.log_path}"
+        )
+
+    def log_tail(self, lines: int = 20) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM (Triton drains and unloads), SIGKILL the group if it hangs; clean shm."""
+        code = None
+        if self.process is not None:
+            code = self._terminate(timeout)
+            self.process = None
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+        self.clean_shm()
+        if self._work:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
+        return code
+
+    def _terminate(self, timeout: float) -> int | None:
+        proc = self.process
+        assert proc is not None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        try:  # stubs left behind by a crash live in the server's process group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return proc.returncode
+
+    def clean_shm(self) -> list[str]:
+        """Remove the Python backend's shared-memory files this server created."""
+        removed = []
+        for path in shm_regions(self.shm_prefix):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def repository(build_root: Path, flavor: str = "cpu") -> Path:
+    """build/<name>/triton_repo/<flavor>: the model repository `serve` loads."""
+    return build_root / "triton_repo" / flavor
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdeploy.manifest import add_build_args
+
+    add_build_args(parser)
+    parser.add_argument("--repo", help="model repository (default: <build>/triton_repo/<flavor>)")
+    parser.add_argument("--flavor", default="cpu", choices=["cpu", "engine", "llmapi"])
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--tritonserver", help="tritonserver binary (default: the one bundled in nvidia-pytriton)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from specdeploy.manifest import build_from_args
+
+    build = build_from_args(args)
+    repo = Path(args.repo) if args.repo else repository(build.root, args.flavor)
+    server = TritonServer(
+        repo, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        host=args.host, log_path=build.root / "logs" / "tritonserver.log",
+        tritonserver=args.tritonserver, ready_timeout=args.ready_timeout,
+    )
+    stopping = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    print(f"tritonserver ready (pid {server.pid}): HTTP {server.http_url}, gRPC {server.grpc_url}, "
+          f"metrics {server.metrics_url}; log {server.log_path}. Ctrl-C stops it.", flush=True)
+    return _wait(server, stopping)
+
+
+def _wait(server: TritonServer, stopping: list[int]) -> int:
+    try:
+        while not stopping:
+            if server.process is None or server.process.poll() is not None:
+                print(f"tritonserver exited unexpectedly; log tail:\n{server.log_tail()}", file=sys.stderr)
+                server.stop()
+                return 1
+            time.sleep(0.5)
+    finally:
+        server.stop()
+    print("tritonserver stopped", flush=True)
+    return 0

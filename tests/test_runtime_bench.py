@@ -1,0 +1,44 @@
+"""The bench on tiny models: every row runs, the summary holds what the table and JSON report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdeploy.bench import DEFAULT_METHODS, Bench, run_bench
+from specdeploy.cli import main as cli_main
+from specdeploy.errors import SpecDeployError
+from tests.test_runtime_helpers import PROMPTS, draft, one_thread, target, tokenizer  # noqa: F401
+
+
+def test_bench_rows(target, draft, tokenizer):
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    methods = DEFAULT_METHODS.split(",") + ["hf-ar"]
+    results = run_bench(Bench(target, draft, max_new_tokens=12, draft_len=4), prompts, methods, log=lambda _: None)
+    summary = results["methods"]
+    assert set(summary) == set(methods)
+    assert [r["runs"].keys() for r in results["prompts"]] == [set(methods)] * 2
+    for method in ("draft", "ngram"):
+        assert summary[method]["same_as_ar"] == 1.0  # fp32 greedy: exact
+        assert summary[method]["speedup_vs_ar"] > 0 and summary[method]["speedup_vs_hf"] > 0
+        assert summary[method]["worst_prompt_vs_ar"] <= summary[method]["speedup_vs_ar"] * 1.5
+    assert summary["ar"]["acceptance_length"] == pytest.approx(12 / 11, abs=0.1)
+    assert summary["hf-ar"]["same_as_ar"] == 1.0  # the runtime's own AR equals transformers
+    assert summary["hf-assisted"]["acceptance_length"] is None
+
+
+def test_bench_needs_module_for_medusa(target):
+    with pytest.raises(SpecDeployError, match="--spec-dir medusa"):
+        Bench(target, None, 8).runner("medusa")
+
+
+def test_bench_command(tiny_llama_dir, tiny_draft_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("specdeploy.bench.load_prompts", lambda source, n, tok, chat: [tok(p)["input_ids"] for p in PROMPTS[:n]])
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_draft_dir), "--dtype", "float32"]
+    argv += ["--num-prompts", "2", "--max-new-tokens", "6", "--methods", "draft,ngram,hf-lookup", "--threads", "1", "--out", str(out)]
+    assert cli_main(argv) == 0
+    results = json.loads(out.read_text())
+    assert set(results["methods"]) == {"ar", "draft", "ngram", "hf-lookup"}
+    assert results["settings"]["max_new_tokens"] == 6 and len(results["prompts"]) == 2

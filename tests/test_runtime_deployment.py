@@ -1,0 +1,62 @@
+"""deployment.json -> Decoder, the chat template, and the `specdeploy generate` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdeploy.cli import main as cli_main
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.deployment import Decoder, load_decoder
+from specdeploy.runtime.types import SamplingParams
+from tests.test_runtime_helpers import PROMPTS, hf_greedy, one_thread, target, tokenizer  # noqa: F401
+
+
+def write_deployment(folder, model_dir, spec) -> str:
+    path = folder / "deployment.json"
+    path.write_text(json.dumps({"model_dir": str(model_dir), "dtype": "float32", "spec": spec}))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft"])
+def test_load_decoder_generates_exactly(kind, tmp_path, tiny_llama_dir, tiny_draft_dir, target, tokenizer):
+    spec = {"kind": kind, "max_draft_len": 4, "draft_model_dir": str(tiny_draft_dir) if kind == "draft" else None}
+    decoder = load_decoder(write_deployment(tmp_path, tiny_llama_dir, spec))
+    assert (decoder.proposer is None) == (kind == "none")
+    text, result = decoder.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
+    assert result.token_ids == hf_greedy(target, tokenizer(PROMPTS[0])["input_ids"], 20)
+    assert text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_load_decoder_errors(tmp_path, tiny_llama_dir):
+    with pytest.raises(SpecDeployError, match="cannot read"):
+        load_decoder(tmp_path / "missing.json")
+    with pytest.raises(SpecDeployError, match="draft_model_dir"):
+        load_decoder(write_deployment(tmp_path, tiny_llama_dir, {"kind": "draft"}))
+    with pytest.raises(SpecDeployError, match="needs spec.path"):
+        load_decoder(write_deployment(tmp_path, tiny_llama_dir, {"kind": "medusa"}))
+
+
+def test_chat_template_applied_when_asked(target, tokenizer):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    decoder = Decoder(target, tokenizer, chat_template=True)
+    wrapped = decoder.encode("Hello")
+    assert tokenizer.decode(wrapped) == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert decoder.encode("Hello", chat=False) == tokenizer("Hello")["input_ids"]
+    tokenizer.chat_template = None
+    assert decoder.encode("Hello") == tokenizer("Hello")["input_ids"]  # no template: the raw prompt
+
+
+def test_generate_command(tiny_llama_dir, tiny_draft_dir, capsys):
+    argv = ["generate", PROMPTS[1], "--model", str(tiny_llama_dir), "--spec", "draft", "--draft", str(tiny_draft_dir)]
+    assert cli_main(argv + ["--max-new-tokens", "12", "--metrics-json"]) == 0
+    out, err = capsys.readouterr()
+    metrics = json.loads(err.strip().splitlines()[-1])
+    assert 1 <= metrics["new_tokens"] <= 12 and out.strip()
+    assert cli_main(argv + ["--max-new-tokens", "0"]) == 2
+    assert "max_new_tokens must be positive" in capsys.readouterr().err

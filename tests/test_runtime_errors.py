@@ -1,0 +1,62 @@
+"""Bad inputs give a SpecDeployError with a hint, before any work is done."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.decoding import generate
+from specdeploy.runtime.proposers import build_proposer
+from specdeploy.runtime.types import SamplingParams
+from tests.test_runtime_helpers import draft, one_thread, target, tokenizer  # noqa: F401
+from tests.tiny import make_tokenizer
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        (torch.zeros(2, 3, dtype=torch.long), SamplingParams(), "one prompt"),
+        ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ([1, 2], SamplingParams(max_new_tokens=-3), "max_new_tokens"),
+        ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+        ([1, 2], SamplingParams(temperature=1.0, top_p=0.0), "top_p"),
+        ([1, 2], SamplingParams(stop_strings=("x",)), "stop strings need the tokenizer"),
+        ([1] * 256, SamplingParams(), "context is 256"),
+    ],
+)
+def test_bad_inputs(target, prompt, params, match):
+    with pytest.raises(SpecDeployError, match=match) as err:
+        generate(target, prompt, params)
+    assert err.value.hint
+
+
+def test_context_length_override(target):
+    with pytest.raises(SpecDeployError, match="context is 8"):
+        generate(target, list(range(8)), SamplingParams(), context_length=8)
+    # near the end of the context, generation stops at the context, not past it
+    result = generate(target, list(range(6)), SamplingParams(max_new_tokens=50), context_length=8)
+    assert len(result.token_ids) <= 2 and result.finish_reason in ("length", "stop")
+
+
+def test_mismatched_tokenizers(target, draft, tokenizer, tmp_path):
+    other = make_tokenizer(tmp_path, vocab_size=300)
+    with pytest.raises(SpecDeployError, match=r"300 tokens.*384 tokens|does not match") as err:
+        build_proposer("draft", target, draft_model=draft, tokenizer=tokenizer, draft_tokenizer=other)
+    assert "same family" in err.value.hint
+    # the same tokenizer loaded twice is accepted
+    same = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    build_proposer("draft", target, draft_model=draft, tokenizer=tokenizer, draft_tokenizer=same)
+
+
+def test_unknown_proposer(target):
+    with pytest.raises(SpecDeployError, match="unknown proposer kind 'lookahead'") as err:
+        build_proposer("lookahead", target)
+    assert "ngram" in err.value.hint
+
+
+def test_draft_without_model(target):
+    with pytest.raises(SpecDeployError, match="needs a draft model"):
+        build_proposer("draft", target)

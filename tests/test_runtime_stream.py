@@ -1,0 +1,79 @@
+"""Stops (EOS, stop ids, stop strings, length) and the streaming callback."""
+
+from __future__ import annotations
+
+from specdeploy.runtime.decoding import generate
+from specdeploy.runtime.deployment import Decoder, TextStream
+from specdeploy.runtime.proposers import build_proposer
+from specdeploy.runtime.types import SamplingParams
+from tests.test_runtime_helpers import PROMPTS, hf_greedy, one_thread, target, tokenizer  # noqa: F401
+
+
+def test_streaming_groups_concatenate_to_result(target, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    groups: list[list[int]] = []
+    proposer = build_proposer("draft", target, draft_model=target)  # accepts everything
+    result = generate(target, ids, SamplingParams(max_new_tokens=30), proposer, on_tokens=groups.append, adaptive=False)
+    assert [t for g in groups for t in g] == result.token_ids
+    assert groups[0] == result.token_ids[:1]  # the first token comes alone, straight from prefill
+    assert max(len(g) for g in groups) > 1  # accepted groups arrive whole
+    assert len(groups) == result.metrics.target_forwards + 1
+
+
+def test_stop_token_and_length(target, tokenizer):
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    ref = hf_greedy(target, ids, 30)
+    stop = ref[12]
+    first = ref.index(stop)
+    for proposer in (None, build_proposer("draft", target, draft_model=target)):
+        groups: list[list[int]] = []
+        params = SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))
+        result = generate(target, ids, params, proposer, on_tokens=groups.append, adaptive=False)
+        assert result.token_ids == ref[: first + 1] and result.finish_reason == "stop"
+        assert [t for g in groups for t in g] == result.token_ids  # nothing streamed past the stop
+        short = generate(target, ids, SamplingParams(max_new_tokens=5), proposer, adaptive=False)
+        assert short.token_ids == ref[:5] and short.finish_reason == "length"
+
+
+def test_eos_stops_like_transformers(target, tokenizer):
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    ref = hf_greedy(target, ids, 30)
+    eos = ref[7]
+    target.generation_config.eos_token_id = eos
+    try:
+        ref_eos = hf_greedy(target, ids, 30)
+        result = generate(target, ids, SamplingParams(max_new_tokens=30), build_proposer("ngram", target))
+    finally:
+        target.generation_config.eos_token_id = target.config.eos_token_id
+    assert result.token_ids == ref_eos and ref_eos[-1] == eos and result.finish_reason == "stop"
+
+
+def test_stop_strings(target, tokenizer):
+    decoder = Decoder(target, tokenizer, build_proposer("draft", target, draft_model=target), draft_len=4)
+    full, _ = decoder.generate(PROMPTS[0], SamplingParams(max_new_tokens=30))
+    stop = full[10:13]
+    assert len(stop) == 3 and stop not in full[:12]  # a stop string that first completes at char 13
+    pieces: list[str] = []
+    text, result = decoder.generate(PROMPTS[0], SamplingParams(max_new_tokens=30, stop_strings=(stop,)), pieces.append)
+    assert text == full[:10] and result.finish_reason == "stop"
+    assert "".join(pieces) == text
+    assert stop in decoder.decode(result.token_ids)  # generation stopped at the completing token
+    assert stop not in decoder.decode(result.token_ids[:-1])
+
+
+def test_text_stream_waits_for_whole_characters(tokenizer):
+    text = "héllo 🙂 wörld ✓"
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(lambda t: tokenizer.decode(t))
+    pieces = [stream.push([token]) for token in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) + stream.finish(text) == text
+    assert len(ids) > len(text)  # byte-level: the emoji really was split across tokens
+
+
+def test_decoder_streams_text(target, tokenizer):
+    decoder = Decoder(target, tokenizer, build_proposer("ngram", target))
+    pieces: list[str] = []
+    text, result = decoder.generate(PROMPTS[2], SamplingParams(max_new_tokens=25), pieces.append)
+    assert "".join(pieces) == text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert result.token_ids == hf_greedy(target, tokenizer(PROMPTS[2])["input_ids"], 25)

@@ -1,0 +1,117 @@
+"""Spec stage on the tiny Llama: self-distillation, ModelOpt training lowers the loss, checkpoints
+resume, the spec/ folder round-trips, and the CLI reports bad trees and low acceptance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdeploy import cli
+from specdeploy.models import load_causal_lm
+from specdeploy.runtime.proposers import build_proposer
+from specdeploy.runtime.proposers.eagle import EagleProposer
+from specdeploy.runtime.types import TargetState
+from specdeploy.spec import load_spec_model, module_state_dict
+from specdeploy.spec.distill import distill
+from specdeploy.spec.train import TrainSettings, data_layers, train
+
+TINY = dict(num_prompts=8, max_new_tokens=24, window=48, batch_size=4, draft_vocab=96, distill_batch=8, lr=3e-3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def spec_cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECDEPLOY_CACHE", str(tmp_path_factory.mktemp("spec_cache")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def data(tiny_llama_dir):
+    return distill(tiny_llama_dir, num_prompts=8, max_new_tokens=24, layers=data_layers(2), batch_size=8)
+
+
+def test_distillation_data_is_cached_and_consistent(tiny_llama_dir, data):
+    again = distill(tiny_llama_dir, num_prompts=8, max_new_tokens=24, layers=data_layers(2), batch_size=8)
+    assert torch.equal(again.tokens, data.tokens)
+    n = len(data.tokens)
+    assert all(h.shape == (n, 64) for h in data.hidden.values())
+    assert int((~data.valid).sum()) == data.info["num_samples"] == 8  # one end per sample
+    # the captured states are the base's: at the answer's positions its argmax is the next token
+    target = load_causal_lm(tiny_llama_dir)
+    ends = (~data.valid).nonzero().squeeze(1)
+    answer = torch.cat([torch.arange(e - 12, e) for e in ends.tolist()])  # answers are 24 tokens
+    with torch.no_grad():
+        predicted = target.lm_head(data.hidden[2][answer].float()).argmax(-1)
+    assert (predicted == data.tokens[answer + 1]).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind):
+    stats = train(tiny_llama_dir, tmp_path / "spec", TrainSettings(kind=kind, steps=25, **TINY), data=data)
+    assert stats["steps"] == 25
+    assert stats["final_loss"] < 0.9 * stats["first_loss"]
+    config = json.loads((tmp_path / "spec" / "spec_config.json").read_text())
+    assert config["kind"] == kind and config["training"]["final_loss"] == stats["final_loss"]
+    prefix = "eagle_module." if kind == "eagle" else "medusa_heads."
+    assert all(k.startswith(prefix) for k in load_file(str(tmp_path / "spec" / "module.safetensors")))
+    if kind == "eagle":
+        assert config["modelopt_config"]["eagle_offline"] is False
+        assert (tmp_path / "spec" / "eagle3_export" / "config.json").is_file()
+
+
+def test_resume_continues_where_it_stopped(tiny_llama_dir, data, tmp_path):
+    settings = dict(kind="eagle", checkpoint_every=4, **TINY)
+    first = train(tiny_llama_dir, tmp_path / "a", TrainSettings(steps=12, **settings), ckpt_dir=tmp_path / "ck", data=data, stop_at=8)
+    assert first["steps"] == 8
+    resumed = train(tiny_llama_dir, tmp_path / "b", TrainSettings(steps=12, **settings), ckpt_dir=tmp_path / "ck", data=data)
+    straight = train(tiny_llama_dir, tmp_path / "c", TrainSettings(steps=12, **settings), data=data)
+    assert resumed["steps"] == 12
+    a = load_file(str(tmp_path / "b" / "module.safetensors"))
+    b = load_file(str(tmp_path / "c" / "module.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4)
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-3)
+
+
+def test_save_load_round_trip_gives_identical_proposals(tiny_llama_dir, data, tmp_path):
+    spec_dir = tmp_path / "spec"
+    train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=6, **TINY), data=data)
+    target = load_causal_lm(tiny_llama_dir)
+    loaded = load_spec_model(tiny_llama_dir, spec_dir)
+    saved = load_file(str(spec_dir / "module.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in module_state_dict(loaded, "eagle").items())
+    from_dir = build_proposer("eagle", target, spec_dir=spec_dir, mode="dynamic")
+    from_model = EagleProposer(loaded.eagle_module, target.get_input_embeddings(), loaded.eagle_module.lm_head,
+                               from_dir.hidden_layers, mode="dynamic")
+    fresh = build_proposer("eagle", target, mode="dynamic", draft_vocab=96, seed=1)
+    tokens = torch.tensor([[5, 17, 33, 90, 4, 8, 9, 11]])
+    with torch.no_grad():
+        out = target(tokens[:, :-1], output_hidden_states=True)
+    state = TargetState(tokens=tokens, hidden={i: out.hidden_states[i] for i in from_dir.hidden_layers})
+    a, b = from_dir.propose(state, 10), from_model.propose(state, 10)
+    assert torch.equal(a.tokens, b.tokens) and a.parents == b.parents
+    assert not torch.equal(fresh.module.fc.weight, from_dir.module.fc.weight)  # the weights really were loaded
+
+
+def test_cli_rejects_a_tree_deeper_than_the_heads(tmp_path, capsys, tiny_llama_dir):
+    code = cli.main(["spec", "train", "--build-dir", str(tmp_path / "b"), "--model", str(tiny_llama_dir),
+                     "--spec", "medusa", "--medusa-heads", "2", "--choices", "[[0], [0, 0], [0, 0, 0]]"])
+    assert code == 2
+    assert "depth 3 but there are only 2 heads" in capsys.readouterr().err
+
+
+def test_cli_train_then_validate_with_bound(tmp_path, capsys, tiny_llama_dir):
+    build = tmp_path / "build"
+    args = ["spec", "train", "--build-dir", str(build), "--model", str(tiny_llama_dir), "--spec", "medusa",
+            "--steps", "3", "--num-prompts", "8", "--max-new-tokens", "24", "--window", "16", "--distill-batch", "8"]
+    assert cli.main(args) == 0
+    assert (build / "spec" / "module.safetensors").is_file()
+    validate = ["spec", "validate", "--build-dir", str(build), "--prompts", "1", "--max-new-tokens", "12", "--dtype", "float32"]
+    assert cli.main(validate + ["--ar-lower-bound", "1.0"]) == 0
+    assert '"overall_acceptance_length"' in capsys.readouterr().out
+    assert cli.main(validate + ["--ar-lower-bound", "50"]) == 2
+    assert "below --ar-lower-bound 50" in capsys.readouterr().err

@@ -1,0 +1,302 @@
+"""A real tritonserver (the binary bundled in nvidia-pytriton) on the packaged CPU repository of
+the tiny model: HTTP and gRPC, streaming and not, bad requests, clean stop.
+
+The deployment drafts with the target itself (spec "draft", draft = tiny model): at greedy every
+draft token is accepted, so accepted groups of several tokens are guaranteed."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from specdeploy import models
+from specdeploy.manifest import BuildDir
+from specdeploy.runtime.deployment import load_decoder
+from specdeploy.runtime.types import SamplingParams
+from specdeploy.triton import package
+from specdeploy.triton.measure import StreamClient, inprocess_speed, served_speed
+from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions
+
+pytestmark = pytest.mark.server
+
+PROMPT = "def add(a, b):"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def build_root(tmp_path_factory, tiny_llama_dir) -> Path:
+    root = tmp_path_factory.mktemp("served") / "build"
+    build = BuildDir(root)
+    models.run(build, str(tiny_llama_dir))
+    package.run(build, spec="draft", draft_model_dir=tiny_llama_dir, max_draft_len=4)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(build_root):
+    srv = TritonServer(build_root / "triton_repo" / "cpu", log_path=build_root / "logs" / "test-server.log")
+    srv.start()
+    assert shm_regions(srv.shm_prefix), "the Python backend should use the server's own shm prefix"
+    yield srv
+    pid = srv.pid
+    srv.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not shm_regions(srv.shm_prefix), "the server left Python-backend shared memory behind"
+
+
+@pytest.fixture(scope="module")
+def decoder(build_root):
+    """The same deployment in-process: the reference the served answers must equal."""
+    return load_decoder(build_root / "triton_repo" / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
+
+
+@pytest.fixture()
+def stream(server):
+    with StreamClient(server.grpc_url) as client:
+        yield client
+
+
+def http_post(server, path: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def sse_events(body: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+
+
+def reference(decoder, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS):
+    return decoder.generate(prompt, SamplingParams(max_new_tokens=max_tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# gRPC
+
+
+def test_grpc_stream_sends_groups_then_a_final_response_with_perf_metrics(stream, decoder):
+    text, _ = reference(decoder)
+    got = stream.generate(PROMPT, MAX_TOKENS, return_perf_metrics=True)
+    assert got.text == text
+    assert len(got.pieces) >= 2, "expected the text in several streamed responses"
+    # draft lengths adapt to measured timings, so counts vary run to run; the draft is the
+    # target itself, so (nearly) every drafted token is accepted
+    drafted, accepted = got.final["total_draft_tokens"], got.final["total_accepted_draft_tokens"]
+    assert drafted >= accepted > 0
+    assert got.final["acceptance_rate"] == pytest.approx(accepted / drafted) and accepted / drafted > 0.5
+    assert got.final["first_token_time_ns"] <= got.final["last_token_time_ns"]
+
+
+def test_grpc_non_streaming_is_one_response(stream, decoder):
+    text, _ = reference(decoder)
+    got = stream.generate(PROMPT, MAX_TOKENS, stream=False)
+    assert got.pieces == [text]
+    assert "total_draft_tokens" not in got.final  # only with return_perf_metrics
+
+
+def _direct_inputs(ids: list[int], max_tokens: int, streaming: bool) -> list:
+    def one(name, array, dtype):
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        return tensor
+
+    return [
+        one("input_ids", np.array([ids], dtype=np.int32), "INT32"),
+        one("input_lengths", np.array([[len(ids)]], dtype=np.int32), "INT32"),
+        one("request_output_len", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        one("streaming", np.array([[streaming]], dtype=bool), "BOOL"),
+    ]
+
+
+def test_each_accepted_group_is_one_response_of_several_tokens(server, decoder):
+    """tensorrt_llm itself (what the ensemble calls): output_ids per response are the groups."""
+    ids = decoder.encode(PROMPT)
+    _, result = reference(decoder)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    groups = []
+    try:
+        client.async_stream_infer("tensorrt_llm", _direct_inputs(ids, MAX_TOKENS, True),
+                                  enable_empty_final_response=True)
+        while True:
+            got, error = responses.get(timeout=120)
+            assert error is None, error
+            groups.append(got.as_numpy("output_ids").reshape(-1).tolist())
+            if got.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+    assert groups[-1] == [], "the final response carries no tokens, only the end of the stream"
+    assert sum(groups, []) == result.token_ids
+    assert max(len(g) for g in groups) > 1, f"no response held several accepted tokens: {groups}"
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+
+
+def test_http_generate_stream_sse(server, decoder):
+    text, _ = reference(decoder)
+    status, body = http_post(server, "/v2/models/ensemble/generate_stream",
+                             {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "stream": True})
+    assert status == 200, body
+    events = sse_events(body)
+    assert len(events) >= 3
+    assert "".join(e["text_output"] for e in events) == text
+
+
+def test_http_generate_non_streaming(server, decoder):
+    text, _ = reference(decoder, max_tokens=5)
+    status, body = http_post(server, "/v2/models/ensemble/generate",
+                             {"text_input": PROMPT, "max_tokens": 5, "return_perf_metrics": True})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["text_output"] == text
+    assert answer["total_draft_tokens"] >= answer["total_accepted_draft_tokens"] >= 0
+
+
+def test_stop_words_and_sampling_inputs(server, decoder):
+    text, _ = reference(decoder, max_tokens=20)
+    stop = text[3:6] if len(text) > 6 else text
+    status, body = http_post(server, "/v2/models/ensemble/generate",
+                             {"text_input": PROMPT, "max_tokens": 20, "stop_words": [stop]})
+    assert status == 200, body
+    assert len(json.loads(body)["text_output"]) < len(text)
+    sampled = {"text_input": PROMPT, "max_tokens": 8, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7}
+    first, second = http_post(server, "/v2/models/ensemble/generate", sampled), \
+        http_post(server, "/v2/models/ensemble/generate", sampled)
+    assert first[0] == 200 and first == second, "same seed, same sample"
+
+
+# ---------------------------------------------------------------------------------------------
+# bad requests: a clear Triton error, and the server keeps answering
+
+
+BAD_HTTP = [
+    ({"max_tokens": 4}, 400, "missing required input(s) ['text_input']"),
+    ({"text_input": PROMPT, "max_tokens": 0}, 400, "max_tokens must be at least 1, got 0"),
+    ({"text_input": PROMPT, "max_tokens": 10**9}, 400, "exceed the model's context of 256 tokens"),
+    # a JSON string for an INT32 input: Triton's HTTP frontend itself rejects it (500, its wording)
+    ({"text_input": PROMPT, "max_tokens": "many"}, 500, "Unable to parse 'data'"),
+    ({"text_input": PROMPT, "max_tokens": 4, "temperature": -1.0}, 400, "temperature must be >= 0"),
+    ({"text_input": PROMPT, "max_tokens": 4, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    ({"text_input": PROMPT, "max_tokens": 4, "beam_width": 2}, 400, "beam_width=2 is not supported"),
+    ({"text_input": PROMPT, "max_tokens": 4, "bad_words": ["add"]}, 400, "bad_words is not supported"),
+    ({"text_input": PROMPT, "max_tokens": 4, "guided_decoding_guide_type": "json"}, 400, "not supported"),
+    ({"text_input": "add " * 400, "max_tokens": 4}, 400, "beyond the model's context of 256 tokens"),
+    ({"text_input": "", "max_tokens": 4}, 400, "text_input is empty"),
+]
+
+
+@pytest.mark.parametrize("body,status,message", BAD_HTTP, ids=[m[:28] for _, _, m in BAD_HTTP])
+def test_bad_http_request_gets_a_clear_error(server, body, status, message):
+    got_status, got_body = http_post(server, "/v2/models/ensemble/generate", body)
+    assert got_status == status, got_body
+    assert message in json.loads(got_body)["error"], got_body
+
+
+def test_bad_grpc_requests_then_a_good_one(stream, decoder):
+    text, _ = reference(decoder, max_tokens=6)
+    with pytest.raises(InferenceServerException, match="text_input is not valid UTF-8"):
+        stream.generate("", 6, text_input=np.array([[b"\xff\xfeabc"]], dtype=object))
+    with pytest.raises(InferenceServerException, match="(?i)unexpected datatype.*max_tokens|max_tokens.*FP32"):
+        stream.generate(PROMPT, np.array([[6.0]], dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="max_tokens must be at least 1"):
+        stream.generate(PROMPT, -3)
+    assert stream.generate(PROMPT, 6).text == text
+
+
+def test_server_still_healthy_after_bad_requests(server, decoder):
+    for body, _, _ in BAD_HTTP:
+        http_post(server, "/v2/models/ensemble/generate", body)
+    assert server.ready() and server.process.poll() is None
+    text, _ = reference(decoder, max_tokens=5)
+    status, body = http_post(server, "/v2/models/ensemble/generate", {"text_input": PROMPT, "max_tokens": 5})
+    assert status == 200 and json.loads(body)["text_output"] == text
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement helper (make bench's served rows)
+
+
+def test_served_speed_measures_tokens_per_s_and_ttft(server, decoder):
+    prompts = [PROMPT, "The quick brown fox"]
+    params = SamplingParams(max_new_tokens=MAX_TOKENS)
+    local = inprocess_speed(decoder, prompts, params)
+    counts = {p: decoder.generate(p, params)[1].metrics.new_tokens for p in prompts}
+    served = served_speed(server.grpc_url, prompts, MAX_TOKENS, count_tokens=lambda p, _: counts[p])
+    assert served["new_tokens"] == local["new_tokens"] > 0
+    assert served["tokens_per_s"] > 0 and 0 < served["ttft_median_s"] <= served["latency_median_s"]
+
+
+# ---------------------------------------------------------------------------------------------
+# `specdeploy serve`: the CLI process, stopped by SIGINT
+
+
+ECHO_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+                for r in requests]
+"""
+ECHO_CONFIG = """
+name: "echo"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+
+def test_serve_command_stops_cleanly_on_sigint(tmp_path):
+    """The CLI on free ports, stopped by its PID with SIGINT: exit 0, log written, shm cleaned.
+    (A one-model repository: the packaged one is served by the module's server above.)"""
+    repo = tmp_path / "repo"
+    (repo / "echo" / "1").mkdir(parents=True)
+    (repo / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (repo / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    ports = [str(free_port()) for _ in range(3)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdeploy", "serve", "--build-dir", str(tmp_path / "build"), "--repo", str(repo),
+         "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "tritonserver ready" in line, line + proc.stdout.read()
+        assert f"127.0.0.1:{ports[0]}" in line
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
+        tensor = grpcclient.InferInput("IN", [3], "INT32")
+        tensor.set_data_from_numpy(np.array([1, 2, 3], dtype=np.int32))
+        assert client.infer("echo", [tensor]).as_numpy("OUT").tolist() == [1, 2, 3]
+        assert shm_regions(f"{SHM_PREFIX}specdeploy_{proc.pid}_")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "tritonserver stopped" in proc.stdout.read()
+    assert "Started GRPCInferenceService" in (tmp_path / "build" / "logs" / "tritonserver.log").read_text()
+    assert not shm_regions(f"{SHM_PREFIX}specdeploy_{proc.pid}_")

@@ -1,0 +1,170 @@
+"""Quantized checkpoints: the converter reads ModelOpt's unified HF export (the quantize stage's
+hand-off) and must write the scales TRT-LLM's quantized layers declare, under their names,
+dtypes and shapes. The oracle is ModelOpt's own export_tensorrt_llm_checkpoint of the same
+(identically calibrated) model: NVIDIA's exporter for TRT-LLM.
+
+Tiny Llama with hidden 128: INT4 AWQ needs input widths that are multiples of its 128 block.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdeploy.trtllm import formats
+from specdeploy.trtllm.convert import convert_all
+from specdeploy.trtllm.reader import read_checkpoint
+
+FORMATS = ["fp8_kv", "int8_sq", "int4_awq"]
+
+
+def _fresh(tiny_dir: Path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval().to(torch.bfloat16)
+    model.config.architectures = ["LlamaForCausalLM"]
+    return model
+
+
+def _quantized(tiny_dir: Path, fmt: str):
+    import modelopt.torch.quantization as mtq
+
+    cfg = copy.deepcopy({"fp8_kv": mtq.FP8_DEFAULT_CFG, "int8_sq": mtq.INT8_SMOOTHQUANT_CFG, "int4_awq": mtq.INT4_AWQ_CFG}[fmt])
+    if fmt == "fp8_kv":
+        cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"])
+    model = _fresh(tiny_dir)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    mtq.quantize(model, cfg, lambda m: m(ids))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny128(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    from transformers import AutoTokenizer
+
+    from tests.tiny import make_llama
+
+    out = tmp_path_factory.mktemp("tiny128")
+    make_llama(out, AutoTokenizer.from_pretrained(tiny_tokenizer_dir), hidden=128, layers=2, heads=4, kv_heads=2, seed=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(tiny128, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """fmt -> (ModelOpt unified HF export, ModelOpt TRT-LLM export), each from a fresh model."""
+    from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
+
+    root = tmp_path_factory.mktemp("quant_exports")
+    out = {}
+    for fmt in FORMATS:
+        hf, trt = root / f"{fmt}_hf", root / f"{fmt}_trt"
+        with torch.inference_mode():
+            export_hf_checkpoint(_quantized(tiny128, fmt), export_dir=hf)
+            export_tensorrt_llm_checkpoint(_quantized(tiny128, fmt), "llama", torch.bfloat16, export_dir=trt, inference_tensor_parallel=1)
+        out[fmt] = (hf, trt)
+    return out
+
+
+def _fp8_step(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of float8_e4m3fn around |x| (3 mantissa bits)."""
+    exp = torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -6)))
+    return 2.0 ** (exp - 3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_checkpoint_matches_modelopt_trtllm_export(exports, tmp_path, fmt):
+    hf, oracle_dir = exports[fmt]
+    convert_all(hf, tmp_path)
+    config = json.loads((tmp_path / "target" / "config.json").read_text())
+    oracle_cfg = json.loads((oracle_dir / "config.json").read_text())
+    q = config["quantization"]
+    assert set(q) <= formats.QUANT_CONFIG_FIELDS and q["quant_algo"] in formats.QUANT_ALGOS
+    for key in ("quant_algo", "kv_cache_quant_algo", "exclude_modules", "group_size", "has_zero_point", "pre_quant_scale"):
+        assert q.get(key) == oracle_cfg["quantization"].get(key), key
+    ours = load_file(str(tmp_path / "target" / "rank0.safetensors"))
+    theirs = load_file(str(oracle_dir / "rank0.safetensors"))
+    assert set(ours) == set(theirs), (set(ours) ^ set(theirs))
+    for name, want in theirs.items():
+        got = ours[name]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+        if fmt == "fp8_kv" and name.endswith(("attention.qkv.weight", "mlp.fc.weight", "mlp.gate.weight",
+                                              "mlp.fc.weights_scaling_factor", "mlp.gate.weights_scaling_factor")):
+            continue  # shared-scale requantization: checked in the FP8 test below
+        if fmt == "int4_awq" and (name.endswith(("input_layernorm.weight", "post_layernorm.weight", "qkv.prequant_scaling_factor"))
+                                  or ".mlp.fc." in name or ".mlp.gate." in name):
+            continue  # the HF export re-smooths gate/up to one pre-quant scale and folds it into the norm: checked below
+        assert torch.equal(got, want), name
+
+
+def test_fp8_fused_qkv_uses_the_max_scale_within_one_fp8_step(exports, tmp_path):
+    hf, oracle_dir = exports["fp8_kv"]
+    convert_all(hf, tmp_path)
+    ours = load_file(str(tmp_path / "target" / "rank0.safetensors"))
+    src = load_file(str(hf / "model.safetensors"))
+    for layer in range(2):
+        pre = f"transformer.layers.{layer}.attention."
+        scale = ours[pre + "qkv.weights_scaling_factor"]
+        parts = [f"model.layers.{layer}.self_attn.{p}_proj" for p in "qkv"]
+        assert torch.equal(scale, torch.stack([src[p + ".weight_scale"] for p in parts]).max().reshape(1))
+        exact = torch.cat([src[p + ".weight"].float() * src[p + ".weight_scale"] for p in parts])
+        fused = ours[pre + "qkv.weight"].float() * scale
+        assert ((fused - exact).abs() <= _fp8_step(exact / scale) * scale).all()
+        # fc (gate_proj) / gate (up_proj) keep their own scales and exact FP8 values; ModelOpt's
+        # exporter requantizes both to their max, as TRT-LLM's fuse_gate_mlp does at build time
+        pair = [ours[f"transformer.layers.{layer}.mlp.{n}.weights_scaling_factor"] for n in ("fc", "gate")]
+        assert torch.equal(torch.maximum(*pair), load_file(str(oracle_dir / "rank0.safetensors"))[f"transformer.layers.{layer}.mlp.fc.weights_scaling_factor"])
+        for trt, hf_name in (("fc", "gate_proj"), ("gate", "up_proj")):
+            assert torch.equal(ours[f"transformer.layers.{layer}.mlp.{trt}.weight"].view(torch.int8),
+                               src[f"model.layers.{layer}.mlp.{hf_name}.weight"].view(torch.int8))
+        # FP8 KV cache: scales clamped to >= 1 as ModelOpt does for TRT-LLM
+        k, v = src[parts[1] + ".k_scale"], src[parts[2] + ".v_scale"]
+        assert torch.equal(ours[pre + "kv_cache_scaling_factor"], torch.maximum(torch.maximum(k, v), torch.tensor(1.0)).reshape(1))
+        assert ours[pre + "kv_cache_scaling_factor"].dtype == torch.float32
+
+
+def test_awq_folded_prequant_scale_is_equivalent(exports, tmp_path):
+    """norm * prequant is the same product in both: ModelOpt's HF export folded the AWQ scale
+    into the RMSNorm, so our prequant_scaling_factor is all ones there."""
+    hf, oracle_dir = exports["int4_awq"]
+    convert_all(hf, tmp_path)
+    ours = load_file(str(tmp_path / "target" / "rank0.safetensors"))
+    theirs = load_file(str(oracle_dir / "rank0.safetensors"))
+    for layer in range(2):
+        for norm, linear in (("input_layernorm", "attention.qkv"),):
+            pre = f"transformer.layers.{layer}."
+            mine = ours[pre + f"{norm}.weight"].float() * ours[pre + f"{linear}.prequant_scaling_factor"].float()
+            ref = theirs[pre + f"{norm}.weight"].float() * theirs[pre + f"{linear}.prequant_scaling_factor"].float()
+            assert torch.allclose(mine, ref, rtol=1e-2, atol=0), (layer, linear)
+        src = load_file(str(hf / "model.safetensors"))
+        for trt, hf_name in (("fc", "gate_proj"), ("gate", "up_proj")):  # bytes and scales as ModelOpt's HF export has them
+            assert torch.equal(ours[pre + f"mlp.{trt}.weight"], src[f"model.layers.{layer}.mlp.{hf_name}.weight"].view(torch.int8))
+            assert torch.equal(ours[pre + f"mlp.{trt}.weights_scaling_factor"], src[f"model.layers.{layer}.mlp.{hf_name}.weight_scale"])
+        assert ours[pre + "attention.qkv.weight"].dtype == torch.int8
+        assert ours[pre + "attention.qkv.weights_scaling_factor"].shape == (128 + 2 * 64, 1)  # (q + k + v out, in / 128)
+
+
+def test_fp8_tensor_parallel_shards_and_reader(exports, tmp_path):
+    hf, _ = exports["fp8_kv"]
+    convert_all(hf, tmp_path, tp=2)
+    r0, r1 = (load_file(str(tmp_path / "target" / f"rank{r}.safetensors")) for r in range(2))
+    name = "transformer.layers.0.attention.qkv.weight"
+    assert r0[name].shape == (128 // 2 + 2 * 64 // 2, 128) and r0[name].dtype == torch.float8_e4m3fn
+    assert torch.equal(r0["transformer.layers.0.mlp.proj.weights_scaling_factor"], r1["transformer.layers.0.mlp.proj.weights_scaling_factor"])
+    assert r0["transformer.layers.0.mlp.proj.weight"].shape == (128, 128)  # row-parallel: input halves
+    layout = read_checkpoint(tmp_path / "target")
+    src = load_file(str(hf / "model.safetensors"))
+    for key in ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.up_proj.weight_scale", "model.layers.0.self_attn.o_proj.input_scale"):
+        assert torch.equal(layout.tensors[key].float().reshape(-1), src[key].float().reshape(-1)), key
+
+
+def test_awq_row_parallel_must_keep_whole_groups(exports, tmp_path):
+    from specdeploy.errors import SpecDeployError
+
+    hf, _ = exports["int4_awq"]
+    with pytest.raises(SpecDeployError, match="not a multiple of the group size 128"):
+        convert_all(hf, tmp_path, tp=2)
