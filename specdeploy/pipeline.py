@@ -24,7 +24,9 @@ from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 
 console = Console()
 TRAINED_SPECS = ("eagle", "medusa")
-KV_CACHE_FOR = {"fp8": "fp8", "nvfp4": "fp8", "int8_sq": "int8"}
+# FP8 KV cache where the weight format already needs FP8 hardware (Ada/Hopper+); INT8/INT4 also
+# target Ampere, which has no FP8, so they keep the KV cache unquantized unless asked.
+KV_CACHE_FOR = {"fp8": "fp8", "nvfp4": "fp8", "w4a8_awq": "fp8"}
 
 
 @dataclass
@@ -143,7 +145,7 @@ def print_summary(build: BuildDir, rows: list[dict], opts: EngineOptions) -> Non
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
     parser.add_argument("--draft", help="SPEC=draft: the draft model (folder, .gguf or bundled name)")
-    parser.add_argument("--kv-cache", choices=["fp8", "int8", "none"], help="KV-cache quantization (default: follows --quant)")
+    parser.add_argument("--kv-cache", choices=["fp8", "none"], help="KV-cache quantization (default: follows --quant)")
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
                         help="module training budget: quick (<= 10 min, default) or long (<= 60 min)")
     parser.add_argument("--quantize-spec", action="store_true", help="quantize the Medusa/EAGLE module too")

@@ -141,6 +141,13 @@ def _modelopt_reference(model_dir: Path, qformat: str, kv: str) -> tuple[torch.n
     return reference, Q.load_quantized(out, "bfloat16")
 
 
+def _use_exported_weight(ref: torch.nn.Module, layer: Q.QuantLinear) -> None:
+    ref.weight.data = layer.weight.data.clone()
+    quantizers = ref.weight_quantizer
+    for quantizer in quantizers if isinstance(quantizers, torch.nn.Sequential) else [quantizers]:
+        quantizer.disable()  # W4A8: a SequentialQuantizer (int4 then fp8)
+
+
 @pytest.mark.parametrize("qformat", ["fp8", "int8_sq", "int4_awq", "w4a8_awq"])
 def test_loader_matches_modelopt_layer_by_layer(tiny128_dir, qformat):
     """Each QuantLinear equals ModelOpt's quantized Linear on the same input, given the exported
@@ -158,8 +165,7 @@ def test_loader_matches_modelopt_layer_by_layer(tiny128_dir, qformat):
             x_ref = x / ref.input_quantizer._pre_quant_scale.to(x.dtype)  # the export fused it into the norm
         else:
             x_ref = x
-        ref.weight.data = layer.weight.data.clone()
-        ref.weight_quantizer.disable()
+        _use_exported_weight(ref, layer)
         with torch.no_grad():
             torch.testing.assert_close(layer(x), ref(x_ref), atol=0.05, rtol=0.02)
         checked += 1
@@ -172,9 +178,7 @@ def test_int8_smoothquant_whole_model_equals_modelopt(tiny128_dir):
     reference, loaded = _modelopt_reference(tiny128_dir, "int8_sq", "none")
     for name, layer in loaded.named_modules():
         if isinstance(layer, Q.QuantLinear):
-            ref = reference.get_submodule(name)
-            ref.weight.data = layer.weight.data.clone()
-            ref.weight_quantizer.disable()
+            _use_exported_weight(reference.get_submodule(name), layer)
     ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7, 100, 200, 13]])
     with torch.no_grad():
         assert torch.equal(reference(ids).logits, loaded(ids).logits)

@@ -127,3 +127,33 @@ def test_prune_keeps_a_valid_tree():
     assert pruned.tokens.tolist() == [0, 1, 3, 4, 5]
     assert pruned.parents == [-1, 0, -1, 2, 0]
     assert len(prune(tree, max_nodes=2, max_depth=9)) == 2
+
+
+class HiddenRecorder(OracleTreeProposer):
+    """Checks the TargetState contract: hidden covers exactly the tokens consumed since the last call."""
+
+    hidden_layers = (-1, 1)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+
+    def propose(self, state, max_tokens):
+        self.seen.append(state.hidden[-1])
+        self.lengths.append(state.tokens.shape[1])
+        assert state.hidden[1].shape[1] == state.hidden[-1].shape[1]
+        return super().propose(state, max_tokens)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_hidden_states_cover_consumed_tokens(target, references, adaptive):
+    ids, ref = references[0]
+    proposer = HiddenRecorder(ids + ref, vocab=target.config.vocab_size, wrong_every=2)
+    generate(target, ids, SamplingParams(max_new_tokens=NEW), proposer, adaptive=adaptive)
+    consumed = torch.cat(proposer.seen, dim=1)
+    # before each call the target has consumed every token but the pending one
+    assert consumed.shape[1] == proposer.lengths[-1] - 1
+    with torch.inference_mode():
+        full = target(input_ids=torch.tensor([(ids + ref)[: consumed.shape[1]]]), output_hidden_states=True)
+    torch.testing.assert_close(consumed, full.hidden_states[-1], atol=1e-4, rtol=1e-4)

@@ -216,3 +216,22 @@ def test_filler_rejects_a_structural_placeholder_left_unfilled():
 def test_backend_fill_args_round_trip_through_fill_template_parsing():
     values = {"medusa_choices": "{0, 0}, {1}", "engine_dir": "/x/y:z", "plain": "64", "weird": "a\\b,c"}
     assert split_like_fill_template(package.backend_fill_args(values)) == values
+
+
+def test_tree_defaults_to_the_one_the_spec_stage_recorded(base_build, tmp_path):
+    root = tmp_path / "build"
+    root.mkdir()
+    for item in base_build.iterdir():
+        (root / item.name).symlink_to(item) if item.is_dir() else (root / item.name).write_bytes(item.read_bytes())
+    build = BuildDir(root)
+    with build.stage("spec", "spec", {"kind": "eagle"}, consumes=("resolve",)) as tmp:
+        (tmp / "spec_config.json").write_text(json.dumps({"kind": "eagle", "choices": TREE}))
+        (tmp / "eagle3_export").mkdir()
+        (tmp / "eagle3_export" / "config.json").write_text("{}")
+    out = package.run(build, spec="eagle")
+    trt = load_repo(out / "engine")["tensorrt_llm"]
+    assert validate_choices(param(trt, "eagle_choices")).to_list() == validate_choices(TREE).to_list()
+    deployment = json.loads((out / "cpu" / "tensorrt_llm" / "1" / "deployment.json").read_text())
+    assert deployment["spec"]["choices"] == validate_choices(TREE).to_list() and deployment["spec"]["path"] == "../../../../spec"
+    spec = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
+    assert spec["speculative_model"] == str(root.resolve() / "spec" / "eagle3_export")

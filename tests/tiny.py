@@ -44,6 +44,7 @@ def make_llama(
     heads: int = 4,
     kv_heads: int = 2,
     seed: int = 0,
+    context: int = 256,
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -53,7 +54,7 @@ def make_llama(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         initializer_range=0.3,  # peaky logits: fewer near-ties than a default random init
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

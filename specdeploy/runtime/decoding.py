@@ -222,23 +222,20 @@ def generate(
     start = time.perf_counter()
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
-        logits, hidden = prefill(target, prompt, cache, hidden_layers)
+        logits, unseen = prefill(target, prompt, cache, hidden_layers)
         pending = next_token(logits, params, generator)
         metrics.time_to_first_token_s = time.perf_counter() - start
         done = output.extend([pending])
         while not done:
             round_start = time.perf_counter()
-            length = controller.next_length() if proposer is not None else 0
             tree = DraftTree.empty()
+            length = controller.next_length() if proposer is not None else 0
             if length > 0:
-                state = TargetState(
-                    tokens=torch.cat([prompt, torch.tensor([output.tokens])], dim=1),
-                    hidden=hidden,
-                    params=params,
-                    generator=generator,
-                )
+                tokens = torch.cat([prompt, torch.tensor([output.tokens])], dim=1)
+                state = TargetState(tokens=tokens, hidden=unseen, params=params, generator=generator)
                 tree = proposer.propose(state, length if chain else max_draft)
                 tree = prune(tree, max_draft, max_new - len(output.tokens) - 1)
+                unseen = {}
             if len(tree):
                 acceptance, hidden = speculative_decode(target, pending, tree, cache, params, generator, hidden_layers)
                 group, accepted = acceptance.tokens(tree), len(acceptance.path)
@@ -246,6 +243,8 @@ def generate(
             else:
                 token, hidden = decode_one_token(target, pending, cache, params, generator, hidden_layers)
                 group, accepted = [token], 0
+            # a proposer sees the states of every token consumed since it last proposed
+            unseen = {layer: torch.cat([unseen[layer], h], dim=1) if layer in unseen else h for layer, h in hidden.items()}
             controller.record(accepted, len(tree), time.perf_counter() - round_start)
             metrics.target_forwards += 1
             metrics.draft_tokens += len(tree)

@@ -100,6 +100,30 @@ def trainable(model: Any) -> list[torch.nn.Parameter]:
     return [p for p in model.eagle_module.parameters() if p.requires_grad]
 
 
+def draft_rows(model: Any) -> torch.Tensor | None:
+    module = model.eagle_module
+    if not hasattr(module, "d2t"):
+        return None
+    return torch.arange(len(module.d2t)) + module.d2t
+
+
+@torch.no_grad()
+def draft_logits(model: Any, last_hidden: torch.Tensor) -> torch.Tensor:
+    """The base's logits over the draft vocabulary only: 6x less than the full 49k-row lm_head
+    (ModelOpt would compute all of them and then keep these columns)."""
+    weight = model._base_model_lm_head.weight
+    rows = draft_rows(model)
+    if rows is not None:
+        weight = weight[rows]
+    return last_hidden.to(weight.dtype) @ weight.T
+
+
+def use_draft_vocab_logits(model: Any) -> None:
+    """The logits we hand ModelOpt are already over the draft vocabulary: skip its column map."""
+    if draft_rows(model) is not None:
+        model._map_logits_to_draft_vocab = lambda logits: logits
+
+
 def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int, aux_layers: list[int]) -> tuple[torch.Tensor, list[float]]:
     """ModelOpt's EAGLE-3 forward (TTT steps, logit distillation) on precomputed hidden states."""
     model._cached_attn_blk_masks = {}  # ModelOpt caches the TTT mask by step index only
@@ -107,6 +131,7 @@ def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int, a
     outputs = {
         "base_model_hidden_states": hidden[last_layer].float(),
         "aux_hidden_states": torch.cat([hidden[i].float() for i in aux_layers], dim=-1),
+        "base_model_logits": draft_logits(model, hidden[last_layer]),
     }
     out = model(
         input_ids=batch["tokens"],

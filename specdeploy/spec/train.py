@@ -125,6 +125,7 @@ def build_training_model(base_dir: Path, settings: TrainSettings, data: DistillD
         size = model.eagle_module.config.draft_vocab_size
         d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, size, model.config.vocab_size)
         eagle_spec.init_module(model, d2t if size < model.config.vocab_size else None)
+        eagle_spec.use_draft_vocab_logits(model)
         extra = {"draft_vocab_size": size, "draft_vocab_coverage": round(coverage, 4)}
         online = eagle_spec.online_config(config)
     extra["hidden_layers"] = medusa_spec.hidden_layers(num_layers) if settings.kind == "medusa" else eagle_spec.hidden_layers(num_layers)

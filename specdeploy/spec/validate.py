@@ -49,7 +49,8 @@ class CategoryResult:
 
 def encode(tokenizer: Any, text: str, category: str, max_prompt_tokens: int = 256) -> list[int]:
     """Chat prompts through the chat template (as served); code prompts as raw completions."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = ids[-max_prompt_tokens:] if category == "code" else ids[:max_prompt_tokens]  # code: keep the end
     if category == "chat" and getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(ids)}],
                                             add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -76,11 +77,12 @@ def measure(
     from specdeploy.runtime.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    room = min(256, target.config.max_position_embeddings - max_new_tokens - 32)  # 32: chat template
     results: dict[str, CategoryResult] = {}
     for category in categories:
         result = results.setdefault(category, CategoryResult())
         for text in tqdm(prompts_for(category, num_prompts), desc=f"validate {category}", unit="prompt"):
-            ids = encode(tokenizer, text, category)
+            ids = encode(tokenizer, text, category, room)
             plain = None
             if speedup:
                 start = time.perf_counter()

@@ -11,6 +11,7 @@ import queue
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -157,3 +158,30 @@ def inprocess_speed(decoder: Any, prompts: list[str], params: Any) -> dict[str, 
         tokens.append(result.metrics.new_tokens)
         ttfts.append((first[0] if first else time.perf_counter()) - start)
     return _summary(tokens, seconds, ttfts)
+
+
+def compare_served_inprocess(repo: str | Path, prompts: list[str], max_tokens: int, *,
+                             server: Any = None) -> dict[str, Any]:
+    """Served (gRPC streaming through the ensemble) vs the same deployment in this process, at
+    greedy: same prompts, same token counts. Starts a TritonServer on `repo` unless given one."""
+    from specdeploy.runtime.deployment import load_decoder
+    from specdeploy.runtime.types import SamplingParams
+    from specdeploy.triton.serve import TritonServer
+
+    repo = Path(repo)
+    decoder = load_decoder(repo / "tensorrt_llm" / "1" / "deployment.json")
+    params = SamplingParams(max_new_tokens=max_tokens)
+    decoder.generate(prompts[0], params)  # warm-up: first-call allocations
+    local = inprocess_speed(decoder, prompts, params)
+    counts = {p: decoder.generate(p, params)[1].metrics.new_tokens for p in prompts}
+    owned = server is None
+    server = TritonServer(repo).start() if owned else server
+    try:
+        with StreamClient(server.grpc_url) as client:
+            client.generate(prompts[0], max_tokens)  # warm-up
+        served = served_speed(server.grpc_url, prompts, max_tokens, count_tokens=lambda p, _: counts[p])
+    finally:
+        if owned:
+            server.stop()
+    ratio = served["tokens_per_s"] / local["tokens_per_s"] if local["tokens_per_s"] else 0.0
+    return {"served": served, "inprocess": local, "served_over_inprocess": ratio}

@@ -195,8 +195,11 @@ def llmapi_speculative_yaml(kind: str, spec_dir: Path, draft_model_dir: Path | N
     lines = ["speculative_config:", f"  decoding_type: {_LLMAPI_DECODING[kind]}", f"  max_draft_len: {max_draft_len}"]
     if kind == "ngram":
         lines.append("  max_matching_ngram_size: 3")
-    else:
-        lines.append(f"  speculative_model: {draft_model_dir if kind == 'draft' else spec_dir}")
+    elif kind == "draft":
+        lines.append(f"  speculative_model: {draft_model_dir}")
+    else:  # the spec stage's EAGLE-3 draft folder (ModelOpt export_speculative_decoding)
+        export = spec_dir / "eagle3_export"
+        lines.append(f"  speculative_model: {export if export.exists() else spec_dir}")
     return "\n".join(lines)
 
 
@@ -218,6 +221,14 @@ def write_llmapi_repo(
 
 def _tree(choices: Any) -> ChoicesTree | None:
     return None if choices is None else validate_choices(choices)
+
+
+def _recorded_choices(spec_dir: Path, kind: str) -> list[list[int]] | None:
+    """The tree the spec stage trained for (spec/spec_config.json), when one was not given."""
+    config = spec_dir / "spec_config.json"
+    if kind not in ("medusa", "eagle") or not config.exists():
+        return None
+    return json.loads(config.read_text()).get("choices")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,10 +279,13 @@ def run(
     kv_cache_free_gpu_mem_fraction: float = 0.9,
     decoupled: bool = True,
 ) -> Path:
-    """Write build/<name>/triton_repo/{cpu,engine,llmapi}; skipped when already complete."""
-    tree = _tree(choices)
+    """Write build/<name>/triton_repo/{cpu,engine,llmapi}; skipped when already complete.
+
+    `choices` defaults to the tree recorded by the spec stage (spec/spec_config.json)."""
+    tree = _tree(choices)  # a bad tree fails before anything else
     model_dir = _model_dir(build)
     spec_dir = build.path("spec").resolve()
+    tree = tree or _tree(_recorded_choices(spec_dir, spec))
     draft = Path(draft_model_dir).resolve() if draft_model_dir else (spec_dir if spec == "draft" else None)
     settings = {
         "spec": spec, "choices": tree.to_list() if tree else None, "max_draft_len": max_draft_len,

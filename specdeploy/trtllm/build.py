@@ -162,8 +162,12 @@ def make_plan(ckpt_root: Path, limits: BuildLimits = BuildLimits()) -> dict[str,
         checkpoints[role] = {"architecture": config["architecture"], "mapping": config["mapping"],
                              "quantization": config["quantization"], "max_draft_len": config.get("max_draft_len")}
         commands.append(engine_command(config, role, summary, limits))
-    return {"trtllm_version_window": ENGINE_FLOW_WINDOW, "spec": summary, "limits": limits.__dict__,
-            "checkpoints": checkpoints, "commands": commands, "world_size": summary["tp_size"] * summary["pp_size"]}
+    plan = {"trtllm_version_window": ENGINE_FLOW_WINDOW, "spec": summary, "limits": limits.__dict__,
+            "checkpoints": checkpoints, "commands": commands, "world_size": summary["tp_size"] * summary["pp_size"],
+            "engine_flow": bool(commands)}
+    if not commands:
+        plan["reason"] = summary.get("reason") or "no engine-flow checkpoint in trtllm_ckpt/"
+    return plan
 
 
 def render_script(plan: dict[str, Any]) -> str:
@@ -178,6 +182,7 @@ def render_script(plan: dict[str, Any]) -> str:
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         'CKPT_DIR="${CKPT_DIR:-$HERE/../trtllm_ckpt}"',
         'ENGINE_DIR="${ENGINE_DIR:-$HERE}"',
+        *_no_engine_flow(plan),
         'command -v trtllm-build >/dev/null || { echo "trtllm-build not found: run this inside the TensorRT-LLM container" >&2; exit 3; }',
         "python3 - <<'PY'",
         "import sys, tensorrt_llm",
@@ -192,6 +197,14 @@ def render_script(plan: dict[str, Any]) -> str:
         lines.append(" ".join(_shell_arg(a) for a in argv))
     lines.append('echo "engines written to $ENGINE_DIR"')
     return "\n".join(lines) + "\n"
+
+
+def _no_engine_flow(plan: dict[str, Any]) -> list[str]:
+    """Stop before anything else when there is nothing to build (e.g. an EAGLE-3 module)."""
+    if plan["commands"]:
+        return []
+    message = "no TensorRT-LLM engine flow for this build: " + plan["reason"]
+    return [f"echo {shlex.quote(message)} >&2", "exit 5"]
 
 
 def _shell_arg(arg: str) -> str:
@@ -222,12 +235,16 @@ def run_plan(plan: dict[str, Any], ckpt_root: Path, engines: Path) -> None:
 def run(build: BuildDir, limits: BuildLimits = BuildLimits()) -> Path:
     """Stage `build`: engines/ with the plan and script; engines too when this host can build."""
     ckpt_root = build.path("trtllm_ckpt")
-    can, why = host_can_build()
+    try:
+        can, why = host_can_build()
+    except SpecDeployError as err:  # e.g. TensorRT-LLM >= 1.2: no engine flow, say so and go on
+        can, why = False, str(err)
     settings = {"limits": limits.__dict__, "built_here": can}
     if build.completed(STAGE, settings, consumes=("convert",)):
         return build.path(OUT)
     with build.stage(STAGE, OUT, settings, consumes=("convert",)) as tmp:
         plan = write_plan(ckpt_root, tmp, limits)
+        can = can and plan["engine_flow"]
         if can:
             run_plan(plan, ckpt_root, tmp)
         plan["engines_built"], plan["host"] = can, why
@@ -249,6 +266,10 @@ def main(args: argparse.Namespace) -> int:
     plan = json.loads((out / PLAN).read_text())
     if plan.get("engines_built"):
         print(f"engines built in {out}")
+        return 0
+    if not plan.get("engine_flow", True):
+        print(f"no TensorRT-LLM engines for this build: {plan.get('reason')}")
+        print(f"Use the LLM-API route (TensorRT-LLM >= 1.2): {build.path('trtllm_ckpt')}/llmapi/ (speculative_config.yaml, model.yaml).")
         return 0
     print(f"engines were NOT built on this host: {plan.get('host')}.")
     print(f"The build plan and script are in {out}/{PLAN} and {out}/{SCRIPT}.")

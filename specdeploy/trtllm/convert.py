@@ -273,7 +273,7 @@ def _spec_extras(src: HFSource, spec: SpecInput, kind: str, config: dict, sideca
         return lambda tp_rank: specmodules.medusa_rank(spec.module, shape, tp, tp_rank, dtype)
     if kind == "eagle":
         if src.family != "llama":
-            raise SpecDeployError("TRT-LLM's engine EAGLE (EagleForCausalLM) takes Llama-family bases only", hint=specmodules.LLMAPI_HINT)
+            raise specmodules.EngineFlowUnsupported("TRT-LLM's engine EAGLE (EagleForCausalLM) takes Llama-family bases only", hint=specmodules.LLMAPI_HINT)
         specmodules.check_eagle_engine(spec.module, spec.config or {}, src.dims)
         dims = specmodules.eagle_dims(spec.module, spec.config or {}, src.dims)
         kv_rep(dims, tp)
@@ -326,7 +326,31 @@ def _inputs(build: BuildDir) -> tuple[Path, tuple[str, ...]]:
     return model, consumes
 
 
-def run(build: BuildDir, *, tp: int = 1, pp: int = 1, route: str = "engine", kind: str | None = None,
+def convert_routes(model: Path, out: Path, spec: SpecInput, *, route: str = "auto", tp: int = 1, pp: int = 1,
+                   spec_dir: Path | None = None, base_dir: Path | None = None) -> dict[str, Any]:
+    """engine: checkpoints or a clear error; llmapi: the >= 1.2 files; auto: the engine flow when
+    the spec maps onto it (else a summary saying why not), plus the LLM-API files when TRT-LLM's
+    LLM API supports the spec kind."""
+    summary: dict[str, Any] = {"kind": spec.kind, "tp_size": tp, "pp_size": pp}
+    if route in ("engine", "auto"):
+        try:
+            summary = convert_all(model, out, tp=tp, pp=pp, spec=spec)
+            summary["engine_flow"] = True
+        except specmodules.EngineFlowUnsupported as err:
+            if route == "engine":
+                raise
+            summary.update(engine_flow=False, reason=str(err))
+            atomic_write_json(out / "convert_summary.json", summary)
+            print(f"convert: no TRT-LLM engine flow for this spec: {err}")
+    from specdeploy.trtllm import llmapi
+
+    llmapi_ok = spec.kind in ("draft", "ngram", "none") or (spec.kind == "eagle" and llmapi.is_eagle3(spec))
+    if route == "llmapi" or (route == "auto" and llmapi_ok):
+        summary["llmapi"] = llmapi.write_llmapi(model, out / "llmapi", spec=spec, spec_dir=spec_dir, base_dir=base_dir, tp=tp, pp=pp)
+    return summary
+
+
+def run(build: BuildDir, *, tp: int = 1, pp: int = 1, route: str = "auto", kind: str | None = None,
         draft_model: str | None = None, max_draft_len: int | None = None) -> Path:
     """Stage `convert`: build/<name>/trtllm_ckpt/ from the quantized (or resolved) model + spec."""
     model, consumes = _inputs(build)
@@ -336,12 +360,7 @@ def run(build: BuildDir, *, tp: int = 1, pp: int = 1, route: str = "engine", kin
         return build.path(OUT)
     spec = load_spec(spec_dir, kind=kind, draft_model=draft_model, max_draft_len=max_draft_len)
     with build.stage(STAGE, OUT, settings, consumes=consumes) as tmp:
-        if route == "engine":
-            convert_all(model, tmp, tp=tp, pp=pp, spec=spec)
-        else:
-            from specdeploy.trtllm import llmapi
-
-            llmapi.write_llmapi(model, tmp / "llmapi", spec=spec, spec_dir=spec_dir, base_dir=build.path("base"), tp=tp, pp=pp)
+        convert_routes(model, tmp, spec, route=route, tp=tp, pp=pp, spec_dir=spec_dir, base_dir=build.path("base"))
     return build.path(OUT)
 
 
@@ -349,8 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel stages (default 1; not with EAGLE)")
-    parser.add_argument("--route", choices=["engine", "llmapi"], default="engine",
-                        help="engine: checkpoints for trtllm-build (TRT-LLM <= 1.1.x); llmapi: speculative_config for TRT-LLM >= 1.2")
+    parser.add_argument("--route", choices=["auto", "engine", "llmapi"], default="auto",
+                        help="engine: checkpoints for trtllm-build (TRT-LLM <= 1.1.x) or an error; llmapi: speculative_config for "
+                             "TRT-LLM >= 1.2; auto (default): both where the spec allows")
     parser.add_argument("--draft-model", help="draft-target: the draft model's HF folder")
     parser.add_argument("--max-draft-len", type=int, help="draft-target / n-gram: draft tokens per step (default: the choices tree, else 4)")
     parser.add_argument("--hf-dir", help="convert this HF folder directly (no build directory); needs --out")
@@ -365,14 +385,9 @@ def main(args: argparse.Namespace) -> int:
         if not args.out:
             raise SpecDeployError("--hf-dir needs --out")
         spec = load_spec(args.spec_dir, kind=kind, draft_model=args.draft_model, max_draft_len=args.max_draft_len)
-        if args.route == "llmapi":
-            from specdeploy.trtllm import llmapi
-
-            summary = llmapi.write_llmapi(args.hf_dir, Path(args.out) / "llmapi", spec=spec,
-                                          spec_dir=Path(args.spec_dir) if args.spec_dir else None, tp=args.tp_size, pp=args.pp_size)
-        else:
-            summary = convert_all(args.hf_dir, args.out, tp=args.tp_size, pp=args.pp_size, spec=spec)
-        print(f"TRT-LLM {args.route} output in {args.out}: {json.dumps(summary)}")
+        summary = convert_routes(Path(args.hf_dir), Path(args.out), spec, route=args.route, tp=args.tp_size, pp=args.pp_size,
+                                 spec_dir=Path(args.spec_dir) if args.spec_dir else None)
+        print(f"TRT-LLM {args.route} output in {args.out}: {json.dumps(summary, default=str)}")
         return 0
     out = run(build_from_args(args), tp=args.tp_size, pp=args.pp_size, route=args.route, kind=kind,
               draft_model=args.draft_model, max_draft_len=args.max_draft_len)

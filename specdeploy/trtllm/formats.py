@@ -89,9 +89,3 @@ KV_CACHE_QUANT_ALGOS = frozenset({"FP8", "INT8"})
 # trtllm-build --speculative_decoding_mode choices (commands/build.py).
 SPECULATIVE_MODES = ("draft_tokens_external", "lookahead_decoding", "medusa", "explicit_draft_tokens", "eagle")
 MAX_EAGLE_DRAFT_LEN = 256  # examples/eagle/convert_checkpoint.py asserts max_draft_len <= 256
-
-# HF linear -> TRT-LLM linear inside a decoder layer; "col" splits the output dim across TP
-# ranks (ColumnLinear), "row" the input dim (RowLinear) - llama/convert.py, eagle/weight.py.
-ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
-MLP_LINEARS = {"gate_proj": ("mlp.fc", "col"), "up_proj": ("mlp.gate", "col"), "down_proj": ("mlp.proj", "row")}
-O_PROJ = ("attention.dense", "row")

@@ -97,6 +97,27 @@ def export_eagle3_draft(base_dir: Path, spec_dir: Path, out: Path) -> Path:
     return out
 
 
+def is_eagle3(spec: Any) -> bool:
+    """ModelOpt's EAGLE-3 layout: auxiliary hidden states of several base layers (fc + hidden_norm)."""
+    arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
+    return bool(arch.get("use_aux_hidden_state")) or any(".hidden_norm." in k for k in (spec.module or {}))
+
+
+def eagle3_draft_dir(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path) -> Path:
+    """The spec stage's own ModelOpt export (spec/eagle3_export) when present, else export here."""
+    if spec_dir is None:
+        raise SpecDeployError("EAGLE-3 on the LLM-API route needs the spec stage output (spec/)")
+    if not is_eagle3(spec):
+        raise SpecDeployError(
+            "this EAGLE module is EAGLE-1/2 shaped; TensorRT-LLM's LLM API runs EAGLE-3 drafts only",
+            hint="use the engine flow (TRT-LLM <= 1.1.x, `specdeploy convert --route engine`) for this module",
+        )
+    ready = Path(spec_dir) / "eagle3_export"
+    if (ready / "config.json").exists() and list(ready.glob("*.safetensors")):
+        return ready
+    return export_eagle3_draft(base_dir, Path(spec_dir), out / "eagle3_draft")
+
+
 def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, spec_dir: Path | None = None,
                  base_dir: Path | None = None, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     """out/speculative_config.yaml + out/model.yaml (+ out/eagle3_draft/ for EAGLE-3)."""
@@ -106,10 +127,7 @@ def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, spec_dir: Path 
     if spec.kind != "none":
         draft_dir: Path | None = spec.draft_dir
         if spec.kind == "eagle":
-            if spec_dir is None:
-                raise SpecDeployError("EAGLE-3 on the LLM-API route needs the spec stage output (spec/)")
-            base = base_dir or Path(spec_dir).parent / "base"
-            draft_dir = export_eagle3_draft(base if base.exists() else Path(model_dir), Path(spec_dir), out / "eagle3_draft")
+            draft_dir = eagle3_draft_dir(spec, spec_dir, base_dir or Path(model_dir), out)
         length = spec.max_draft_len or (spec.tree.depth if spec.tree else 4)  # Eagle3 drafts a chain per step
         spec_cfg = speculative_config(spec.kind, length, draft_dir.resolve() if draft_dir else None,
                                       (spec.config or {}).get("ngram"))

@@ -11,7 +11,6 @@ bit for bit (tests/test_trtllm_convert.py).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,9 @@ from typing import Any
 import torch
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.trtllm.source import dims_of
+from specdeploy.trtllm.source import Dims, dims_of
 from specdeploy.trtllm.specmodules import MedusaShape, medusa_from_trt
-from specdeploy.trtllm.weights import ROLE_TO_TRT, TRT_TO_ROLE, merge_role, split_qkv, undup_heads
+from specdeploy.trtllm.weights import TRT_TO_ROLE, merge_role, split_qkv, undup_heads
 
 LINEARS = {"attention.dense": ("self_attn.o_proj", "row"), "mlp.fc": ("mlp.gate_proj", "col"),
            "mlp.gate": ("mlp.up_proj", "col"), "mlp.proj": ("mlp.down_proj", "row")}
@@ -140,8 +139,6 @@ def read_checkpoint(path: str | Path) -> HFLayout:
 
 def eagle_from_trt(ckpt: TrtCheckpoint, last: list[dict[str, torch.Tensor]], base_dims) -> dict[str, torch.Tensor]:
     """eagle_nets.0.* (all nets are copies) -> ModelOpt eagle_module.* names."""
-    from specdeploy.trtllm.source import Dims
-
     spec, net_cfg = ckpt.sidecar["spec"], ckpt.config["eagle_net_config"]
     dims = Dims(hidden=net_cfg["hidden_size"], heads=net_cfg["num_attention_heads"], kv_heads=net_cfg["num_key_value_heads"],
                 head_dim=net_cfg["head_size"], intermediate=net_cfg["intermediate_size"], layers=net_cfg["num_hidden_layers"],
@@ -177,17 +174,3 @@ def build_hf_model(layout: HFLayout, dtype: torch.dtype = torch.float32) -> Any:
     if missing or unexpected:
         raise SpecDeployError(f"read-back weights do not fit the HF model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model
-
-
-def fused_names(config: dict[str, Any]) -> set[str]:
-    """TRT-LLM parameter suffixes present for this checkpoint's quantization (for tests/reports)."""
-    names = {"weight"}
-    algo = config["quantization"].get("quant_algo")
-    if algo:
-        names |= {ROLE_TO_TRT["weight_scale"], ROLE_TO_TRT["input_scale"]} if algo != "W4A16_AWQ" else {ROLE_TO_TRT["weight_scale"]}
-        if algo in ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"):
-            names.add(ROLE_TO_TRT["pre_quant_scale"])
-    return names
-
-
-LAYER_RE = re.compile(r"transformer\.layers\.(\d+)\.")

@@ -43,6 +43,10 @@ LLMAPI_HINT = (
 )
 
 
+class EngineFlowUnsupported(SpecDeployError):
+    """The module is valid but TRT-LLM's engine flow cannot run it (the LLM-API route may)."""
+
+
 @dataclass(frozen=True)
 class MedusaShape:
     heads: int
@@ -105,7 +109,7 @@ def check_eagle_engine(module: dict[str, torch.Tensor], spec_config: dict[str, A
         reasons.append("its first decoder layer normalises its input (input_layernorm); EagleForCausalLM hard-codes "
                        "use_input_layernorm_in_first_layer=False and a norm cannot be folded into a linear layer")
     if reasons:
-        raise SpecDeployError("EAGLE module cannot be converted for the TRT-LLM engine flow: " + "; ".join(reasons), hint=LLMAPI_HINT)
+        raise EngineFlowUnsupported("EAGLE module cannot be converted for the TRT-LLM engine flow: " + "; ".join(reasons), hint=LLMAPI_HINT)
 
 
 def eagle_dims(module: dict[str, torch.Tensor], spec_config: dict[str, Any], base: Dims) -> Dims:

@@ -1,0 +1,106 @@
+"""`make engine` end to end on a tiny model: every stage, reruns skipped, a killed run resumed,
+then `verify` and the load test against real tritonservers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from specdeploy.manifest import BuildDir
+from tests.tiny import make_llama
+
+STAGES = ["resolve", "quantize", "convert", "build", "package"]
+ENGINE = [sys.executable, "-m", "specdeploy", "engine", "--spec", "ngram", "--calib-size", "8", "--no-quant-report"]
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    out = tmp_path_factory.mktemp("tiny_long")
+    make_llama(out, AutoTokenizer.from_pretrained(tiny_tokenizer_dir), context=2048, seed=3)
+    return out
+
+
+def _engine(model: Path, build_dir: Path, quant: str) -> subprocess.CompletedProcess:
+    cmd = ENGINE + ["--model", str(model), "--quant", quant, "--build-dir", str(build_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def engine_build(long_context_model, tmp_path_factory) -> BuildDir:
+    build_dir = tmp_path_factory.mktemp("builds") / "tiny-ngram-fp8"
+    done = _engine(long_context_model, build_dir, "fp8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "NOT built on this host" in done.stdout  # says plainly what needs a GPU host
+    return BuildDir(build_dir)
+
+
+def test_engine_records_every_stage_and_rerun_skips(engine_build, long_context_model):
+    manifest = engine_build.manifest()
+    assert sorted(manifest["stages"]) == sorted(STAGES)
+    assert (engine_build.path("triton_repo") / "cpu" / "ensemble" / "config.pbtxt").exists()
+    assert (engine_build.path("engines") / "build_engines.sh").exists()
+    before = {s: r["finished"] for s, r in manifest["stages"].items()}
+    again = _engine(long_context_model, engine_build.root, "fp8")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("complete (skipped)") == len(STAGES)
+    assert {s: r["finished"] for s, r in engine_build.manifest()["stages"].items()} == before
+
+
+def test_killed_engine_resumes_without_a_corrupt_artifact(long_context_model, tmp_path):
+    build = BuildDir(tmp_path / "killed")
+    cmd = ENGINE + ["--model", str(long_context_model), "--quant", "int8_sq", "--build-dir", str(build.root)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    partial = build.root / ".quantized.partial"
+    deadline = time.monotonic() + 300
+    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert partial.exists(), "the quantize stage never started"
+    os.killpg(proc.pid, signal.SIGKILL)  # killed mid-stage, as a crash or Ctrl-C would
+    proc.wait()
+    assert not build.path("quantized").exists()
+    assert "quantize" not in build.manifest()["stages"]
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(build.manifest()["stages"]) == sorted(STAGES)
+    assert not partial.exists()
+    # every recorded output is on disk with its recorded size: nothing half-written survived
+    for stage in STAGES:
+        assert build.completed(stage, build.record(stage)["settings"], consumes=tuple(build.record(stage)["inputs"]))
+
+
+@pytest.mark.server
+def test_verify_through_triton_is_exact_in_fp32(engine_build):
+    done = subprocess.run(
+        [sys.executable, "-m", "specdeploy", "verify", "--build-dir", str(engine_build.root),
+         "--prompts", "2", "--max-new-tokens", "16"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads((engine_build.path("reports") / "verify.json").read_text())
+    summary = report["summary"]
+    assert summary["prompts"] == 4 and summary["exact_match_rate"] == 1.0 and summary["parity_ok"]
+    assert summary["speedup"] > 0 and summary["acceptance_length"] >= 1.0
+    assert all(r["ar_matches"] for r in report["prompts"])  # speculation on or off: same text
+    assert (engine_build.path("reports") / "acceptance_length.png").stat().st_size > 1000
+
+
+@pytest.mark.server
+def test_loadtest_concurrent_streams_equal_solo_runs(engine_build):
+    done = subprocess.run(
+        [sys.executable, "-m", "specdeploy", "loadtest", "--build-dir", str(engine_build.root),
+         "--clients", "4", "--requests", "2", "--max-tokens", "8", "--prompts", "3"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((engine_build.path("loadtest") / "loadtest.json").read_text())
+    assert result["requests"] == 8 and result["num_errors"] == 0 and result["mismatches"] == 0
+    assert result["latency_s"]["p50"] > 0

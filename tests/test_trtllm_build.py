@@ -1,0 +1,199 @@
+"""`specdeploy build`: the trtllm-build plan and script, and the refusal to pretend on a host
+without TensorRT-LLM or a GPU (this one). Flags are those of tensorrt_llm/commands/build.py
+(see specdeploy/trtllm/formats.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.manifest import BuildDir
+from specdeploy.trtllm import build as trt_build
+from specdeploy.trtllm import convert
+from specdeploy.trtllm.formats import SPECULATIVE_MODES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _medusa_module(hidden: int = 64, vocab: int = 384, heads: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for h in range(heads):
+        out[f"medusa_heads.{h}.0.linear.weight"] = torch.randn(hidden, hidden, generator=g)
+        out[f"medusa_heads.{h}.0.linear.bias"] = torch.randn(hidden, generator=g)
+        out[f"medusa_heads.{h}.1.weight"] = torch.randn(vocab, hidden, generator=g)
+    return out
+
+
+def _eagle_module(hidden: int = 64) -> dict[str, torch.Tensor]:
+    """ModelOpt names, engine layout (no first-layer input norm), 4 heads x 16, 2 KV heads."""
+    g = torch.Generator().manual_seed(1)
+    p = "eagle_module.layers.0."
+    shapes = {"self_attn.q_proj.weight": (64, hidden), "self_attn.k_proj.weight": (32, hidden), "self_attn.v_proj.weight": (32, hidden),
+              "self_attn.o_proj.weight": (hidden, 64), "mlp.gate_proj.weight": (96, hidden), "mlp.up_proj.weight": (96, hidden),
+              "mlp.down_proj.weight": (hidden, 96), "post_attention_layernorm.weight": (hidden,)}
+    return {p + k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+
+
+def _spec_dir(path: Path, kind: str, module: dict, choices: list) -> Path:
+    path.mkdir(parents=True)
+    save_file(module, str(path / "module.safetensors"))
+    arch = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "use_aux_hidden_state": False}
+    (path / "spec_config.json").write_text(json.dumps({"kind": kind, "choices": choices, "modelopt_config": {"eagle_architecture_config": arch}}))
+    return path
+
+
+def _plan(ckpt: Path) -> dict:
+    return trt_build.make_plan(ckpt)
+
+
+def _cmd(plan: dict, role: str) -> list[str]:
+    return next(c for c in plan["commands"] if f"{{ckpt}}/{role}" in c)
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_medusa_plan_uses_the_choices_tree(tiny_llama_dir, tmp_path):
+    choices = [[0], [1], [2], [0, 0], [0, 1], [0, 0, 0], [1, 0]]
+    spec = convert.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), choices))
+    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt", spec=spec)
+    argv = _cmd(_plan(tmp_path / "ckpt"), "target")
+    assert argv[0] == "trtllm-build" and _flag(argv, "--speculative_decoding_mode") == "medusa"
+    assert _flag(argv, "--max_draft_len") == "7"  # the number of nodes of the tree
+    assert "--use_paged_context_fmha" not in argv
+    assert _flag(argv, "--speculative_decoding_mode") in SPECULATIVE_MODES
+
+
+def test_eagle_plan_enables_paged_context_fmha(tiny_llama_dir, tmp_path):
+    choices = [[0], [1], [0, 0], [0, 0, 0]]
+    spec = convert.load_spec(_spec_dir(tmp_path / "spec", "eagle", _eagle_module(), choices))
+    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt", tp=2, spec=spec)
+    plan = _plan(tmp_path / "ckpt")
+    argv = _cmd(plan, "target")
+    assert _flag(argv, "--speculative_decoding_mode") == "eagle" and _flag(argv, "--max_draft_len") == "4"
+    assert _flag(argv, "--use_paged_context_fmha") == "enable" and _flag(argv, "--kv_cache_type") == "paged"
+    assert plan["world_size"] == 2 and plan["checkpoints"]["target"]["architecture"] == "EagleForCausalLM"
+
+
+def test_draft_target_plan_builds_the_target_for_external_drafts(tiny_llama_dir, tiny_draft_dir, tmp_path):
+    spec = convert.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=6)
+    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt", spec=spec)
+    plan = _plan(tmp_path / "ckpt")
+    target, draft = _cmd(plan, "target"), _cmd(plan, "draft")
+    assert _flag(target, "--speculative_decoding_mode") == "draft_tokens_external" and _flag(target, "--max_draft_len") == "6"
+    assert "--speculative_decoding_mode" not in draft and "--max_draft_len" not in draft
+    assert "--gather_generation_logits" in draft and _flag(draft, "--output_dir") == "{engines}/draft"
+
+
+@pytest.mark.parametrize("quantization, flags", [
+    ({"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None}, {"--weight_only_groupwise_quant_matmul_plugin": "auto"}),
+    ({"quant_algo": "W8A8_SQ_PER_CHANNEL", "kv_cache_quant_algo": None}, {"--smooth_quant_gemm_plugin": "auto"}),
+    ({"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, {"--use_fp8_context_fmha": "enable", "--use_paged_context_fmha": "enable"}),
+    ({"quant_algo": None, "kv_cache_quant_algo": None}, {"--gemm_plugin": "auto"}),
+])
+def test_quantization_plugins(quantization, flags):
+    config = {"architecture": "LlamaForCausalLM", "quantization": quantization}
+    argv = trt_build.engine_command(config, "target", {"kind": "none"}, trt_build.BuildLimits())
+    for name, value in flags.items():
+        assert _flag(argv, name) == value, name
+    if quantization["quant_algo"] != "W4A16_AWQ":
+        assert "--weight_only_groupwise_quant_matmul_plugin" not in argv
+
+
+def test_script_is_valid_bash_and_refuses_to_run_here(tiny_llama_dir, tmp_path):
+    spec = convert.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), [[0], [0, 0]]))
+    convert.convert_all(tiny_llama_dir, tmp_path / "trtllm_ckpt", spec=spec)
+    plan = trt_build.write_plan(tmp_path / "trtllm_ckpt", tmp_path / "engines")
+    script = tmp_path / "engines" / trt_build.SCRIPT
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert '--checkpoint_dir "$CKPT_DIR"/target' in text and '--output_dir "$ENGINE_DIR"/target' in text
+    assert "--speculative_decoding_mode medusa --max_draft_len 2" in text
+    assert json.loads((tmp_path / "engines" / trt_build.PLAN).read_text())["commands"] == plan["commands"]
+    if shutil.which("trtllm-build") is None:  # this project's machines: the script must stop, not pretend
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+        assert done.returncode == 3 and "trtllm-build not found" in done.stderr
+        assert not list((tmp_path / "engines").rglob("*.engine"))
+
+
+@pytest.mark.parametrize("version, ok", [("0.15.0", True), ("0.21.0", True), ("1.0.0", True), ("1.1.0rc2", True),
+                                         ("1.2.0", False), ("1.2.0rc5", False), ("2.0.1", False), ("0.14.0", False)])
+def test_version_window(version, ok):
+    if ok:
+        trt_build.check_engine_flow_version(version)
+    else:
+        with pytest.raises(SpecDeployError) as err:
+            trt_build.check_engine_flow_version(version)
+        if trt_build.parse_version(version) >= (1, 2):
+            assert "--route llmapi" in err.value.hint
+
+
+def test_host_checks(monkeypatch):
+    """Built only with tensorrt_llm importable, in the window, and a GPU visible."""
+    monkeypatch.setattr(trt_build, "trtllm_version", lambda: None)
+    assert trt_build.host_can_build() == (False, "tensorrt_llm is not importable on this host (it cannot be installed on these machines)")
+    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.0.0")
+    monkeypatch.setattr(trt_build, "gpu_visible", lambda: False)
+    assert trt_build.host_can_build()[0] is False
+    monkeypatch.setattr(trt_build, "gpu_visible", lambda: True)
+    assert trt_build.host_can_build()[0] is True
+    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.2.1")
+    with pytest.raises(SpecDeployError, match="no trtllm-build"):
+        trt_build.host_can_build()
+
+
+def test_build_stage_on_a_newer_trtllm_points_to_the_llmapi_route(tiny_llama_dir, tmp_path, monkeypatch):
+    build = _build_dir_with_convert(tmp_path, tiny_llama_dir)
+    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.2.1")
+    monkeypatch.setattr(trt_build, "run_plan", lambda *a: pytest.fail("must not run trtllm-build"))
+    plan = json.loads((trt_build.run(build) / trt_build.PLAN).read_text())
+    assert plan["engines_built"] is False and "--route llmapi" in plan["host"]
+
+
+def _build_dir_with_convert(tmp_path: Path, model: Path) -> BuildDir:
+    build = BuildDir(tmp_path / "b")
+    with build.stage("resolve", "base", {"model": str(model)}) as tmp:
+        for f in model.iterdir():
+            shutil.copy(f, tmp / f.name)
+    convert.run(build, tp=1, pp=1)
+    assert build.record("convert") and (build.path("trtllm_ckpt") / "target" / "config.json").exists()
+    return build
+
+
+def test_build_stage_where_a_gpu_host_would_run_trtllm_build(tiny_llama_dir, tmp_path, monkeypatch):
+    build = _build_dir_with_convert(tmp_path, tiny_llama_dir)
+    monkeypatch.setattr(trt_build, "host_can_build", lambda: (True, "tensorrt_llm 1.0.0 with a GPU"))
+    ran: list[list[str]] = []
+    monkeypatch.setattr(trt_build.subprocess, "run", lambda argv, check: ran.append(argv))
+    out = trt_build.run(build)
+    assert len(ran) == 1 and ran[0][0] == "trtllm-build"
+    assert _flag(ran[0], "--checkpoint_dir") == str(build.path("trtllm_ckpt") / "target")
+    assert _flag(ran[0], "--output_dir").endswith(".engines.partial/target")  # built inside the stage's temp dir
+    assert json.loads((out / trt_build.PLAN).read_text())["engines_built"] is True
+
+
+def test_build_command_says_engines_were_not_built_here(tiny_llama_dir, tmp_path):
+    """The real CLI on this host: exit 0, plan + script written, a plain statement, no engine."""
+    build = _build_dir_with_convert(tmp_path, tiny_llama_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "specdeploy", "build", "--build-dir", str(build.root)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if trt_build.host_can_build()[0]:
+        pytest.fail("this test describes a host without TensorRT-LLM or GPU; this host has both")
+    assert done.returncode == 0, done.stderr
+    assert "engines were NOT built on this host" in done.stdout and "build_engines.sh" in done.stdout
+    plan = json.loads((build.path("engines") / trt_build.PLAN).read_text())
+    assert plan["engines_built"] is False and "not importable" in plan["host"]
+    assert build.record("build")["settings"]["built_here"] is False
+    assert not [p for p in build.path("engines").rglob("*") if p.suffix == ".engine"]
