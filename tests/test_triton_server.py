@@ -241,7 +241,7 @@ def test_served_speed_measures_tokens_per_s_and_ttft(server, decoder):
     prompts = [PROMPT, "The quick brown fox"]
     params = SamplingParams(max_new_tokens=MAX_TOKENS)
     local = inprocess_speed(decoder, prompts, params)
-    counts = {p: decoder.generate(p, params)[1].metrics.new_tokens for p in prompts}
+    counts = local["tokens_by_prompt"]
     served = served_speed(server.grpc_url, prompts, MAX_TOKENS, count_tokens=lambda p, _: counts[p])
     assert served["new_tokens"] == local["new_tokens"] > 0
     assert served["tokens_per_s"] > 0 and 0 < served["ttft_median_s"] <= served["latency_median_s"]

@@ -73,6 +73,7 @@ def test_medusa_plan_uses_the_choices_tree(tiny_llama_dir, tmp_path):
     assert _flag(argv, "--max_draft_len") == "7"  # the number of nodes of the tree
     assert "--use_paged_context_fmha" not in argv
     assert _flag(argv, "--speculative_decoding_mode") in SPECULATIVE_MODES
+    assert any("greedy only" in n for n in _plan(tmp_path / "ckpt")["notes"])
 
 
 def test_eagle_plan_enables_paged_context_fmha(tiny_llama_dir, tmp_path):

@@ -26,8 +26,11 @@ KINDS = ("medusa", "eagle")
 # What `make engine` uses: <= 10 minutes of training on SmolLM2-135M here, data generation
 # (cached, shared by both kinds and by every build of the same base) ~4 minutes on first use.
 QUICK = {"eagle": dict(steps=400, time_budget_s=480.0), "medusa": dict(steps=400, time_budget_s=480.0)}
-# The budget: <= 60 minutes of training, on 20x the data.
-LONG = {"eagle": dict(steps=6000, time_budget_s=3600.0, num_prompts=1280), "medusa": dict(steps=4000, time_budget_s=3600.0, num_prompts=1280)}
+# The budget: <= 60 minutes of training, on ~10x the data.
+LONG = {
+    "eagle": dict(steps=6000, time_budget_s=3600.0, num_prompts=1280, teacher_forced=1024),
+    "medusa": dict(steps=4000, time_budget_s=3600.0, num_prompts=1280, teacher_forced=1024),
+}
 
 
 def settings_for(kind: str, preset: str = "quick", **overrides: Any) -> TrainSettings:
@@ -62,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(TrainSettings):
         if f.name in ("kind", "choices", "extra"):
             continue
-        train_p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None,
-                             help=f"(default: preset's, else {f.default})")
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
+        train_p.add_argument(f"--{f.name.replace('_', '-')}", default=None, help=f"(default: preset's, else {f.default})", **kind)
     train_p.add_argument("--choices", help="default medusa_choices / eagle_choices, e.g. '[[0], [0, 0], [1]]'")
 
     val = actions.add_parser("validate", help="acceptance length on held-out prompts per category")
@@ -74,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument("--prompts", type=int, default=8, help="prompts per category (default 8)")
     val.add_argument("--categories", default="chat,code", help="comma list of chat,code")
     val.add_argument("--max-new-tokens", type=int, default=96)
-    val.add_argument("--tree", choices=("chain", "static", "dynamic"), default="dynamic", help="EAGLE tree kind")
+    val.add_argument("--tree", choices=("chain", "static", "dynamic"),
+                     help="EAGLE tree kind (default: static with --choices, else dynamic)")
     val.add_argument("--choices", help="medusa_choices / eagle_choices (static trees)")
     val.add_argument("--draft-len", type=int, help="chain length / tree token budget")
     val.add_argument("--depth", type=int, default=5, help="EAGLE dynamic tree depth")
@@ -130,7 +134,8 @@ def _validate(args: argparse.Namespace) -> int:
     target, tokenizer, proposer = load_for_validation(base_dir, spec_dir, args.dtype, _proposer_options(args, kind))
     results = measure(target, tokenizer, proposer, categories=categories, num_prompts=args.prompts,
                       max_new_tokens=args.max_new_tokens, speedup=args.speedup, draft_len=args.draft_len)
-    report = {"kind": kind, "dtype": args.dtype, "tree": args.tree if kind == "eagle" else "static",
+    tree = getattr(proposer, "mode", "static")
+    report = {"kind": kind, "dtype": args.dtype, "tree": tree,
               "overall_acceptance_length": round(overall(results), 3), **{c: r.as_dict() for c, r in results.items()}}
     print(json.dumps(report, indent=2))
     if args.json:

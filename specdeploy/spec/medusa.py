@@ -26,10 +26,17 @@ def init_module(model: Any) -> None:
         head[-1].weight.copy_(model.lm_head.weight)
 
 
-def trainable(model: Any) -> list[torch.nn.Parameter]:
-    params = [p for p in model.medusa_heads.parameters()]
-    for p in params:
-        p.requires_grad_(True)
+def trainable(model: Any, train_lm_head: bool = False) -> list[torch.nn.Parameter]:
+    """ResBlocks (and optionally each head's 49k-row projection: 3x the compute and memory per
+    head on this CPU; frozen, it stays the base lm_head the head was started from)."""
+    params = []
+    for head in model.medusa_heads:
+        for i, block in enumerate(head):
+            train = train_lm_head or i < len(head) - 1
+            for p in block.parameters():
+                p.requires_grad_(train)
+                if train:
+                    params.append(p)
     return params
 
 

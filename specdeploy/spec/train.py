@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ from specdeploy.spec import medusa as medusa_spec
 from specdeploy.spec.common import load_base, load_checkpoint, save_checkpoint, save_tensors
 from specdeploy.spec.distill import DistillData, distill
 
+AUTOCAST = os.environ.get("SPECDEPLOY_TRAIN_AUTOCAST", "1") == "1"
 MEDUSA_TREE: list[list[int]] = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
@@ -34,12 +36,13 @@ class TrainSettings:
     lr: float = 1e-3
     batch_size: int = 4  # EAGLE: windows per step; Medusa: positions per step = batch_size * window
     window: int = 256
-    num_prompts: int = 160
+    num_prompts: int = 128
     max_new_tokens: int = 192
-    teacher_forced: int = 0  # extra ShareGPT answers read (not generated) by the base
+    teacher_forced: int = 256  # extra ShareGPT answers read (not generated) by the base
     distill_batch: int = 64
     medusa_heads: int = 3
     medusa_layers: int = 1
+    medusa_train_lm_head: bool = False
     eagle_layers: int = 1
     draft_vocab: int = eagle_spec.DEFAULT_DRAFT_VOCAB
     ttt_steps: int = 3
@@ -133,7 +136,7 @@ def build_training_model(base_dir: Path, settings: TrainSettings, data: DistillD
 
 
 def _step(model: Any, settings: TrainSettings, batch: dict, num_layers: int) -> tuple[torch.Tensor, list[float]]:
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # AMX/avx512-bf16 matmuls; master weights fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST):  # AMX/avx512-bf16 matmuls; master weights fp32
         if settings.kind == "medusa":
             return medusa_spec.training_step(model, batch, num_layers)
         return eagle_spec.training_step(model, batch, num_layers, eagle_spec.hidden_layers(num_layers))
@@ -157,7 +160,10 @@ def train(base_dir: str | Path, out_dir: str | Path, settings: TrainSettings, ck
     torch.manual_seed(settings.seed)
     model, online_config, extra = build_training_model(base_dir, settings, data)
     model.train()
-    params = medusa_spec.trainable(model) if settings.kind == "medusa" else eagle_spec.trainable(model)
+    if settings.kind == "medusa":
+        params = medusa_spec.trainable(model, settings.medusa_train_lm_head)
+    else:
+        params = eagle_spec.trainable(model)
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     ckpt = Path(ckpt_dir) if ckpt_dir else None
     start, history, elapsed = _resume(model, optimizer, settings, ckpt)

@@ -25,6 +25,8 @@ class CategoryResult:
     plain_tokens: int = 0
     plain_seconds: float = 0.0
     exact: int = 0  # prompts whose speculative output equals plain decoding (when measured)
+    draft_seconds: float = 0.0  # time inside proposer.propose (the draft's share of spec_seconds)
+    draft_tokens: int = 0
     per_prompt: list[float] = field(default_factory=list)
 
     @property
@@ -40,7 +42,10 @@ class CategoryResult:
     def as_dict(self) -> dict[str, Any]:
         out = {"prompts": self.prompts, "acceptance_length": round(self.acceptance_length, 3),
                "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
-               "spec_tokens_per_s": round(self.new_tokens / self.spec_seconds, 2) if self.spec_seconds else None}
+               "spec_tokens_per_s": round(self.new_tokens / self.spec_seconds, 2) if self.spec_seconds else None,
+               "draft_share_of_time": round(self.draft_seconds / self.spec_seconds, 3) if self.spec_seconds else None,
+               "draft_ms_per_round": round(1000 * self.draft_seconds / max(self.target_forwards, 1), 2),
+               "draft_tokens_per_round": round(self.draft_tokens / max(self.target_forwards, 1), 2)}
         if self.plain_seconds:
             out.update(plain_tokens_per_s=round(self.plain_tokens / self.plain_seconds, 2),
                        speedup=round(self.speedup or 0.0, 3), exact_match=f"{self.exact}/{self.prompts}")
@@ -77,6 +82,7 @@ def measure(
     from specdeploy.runtime.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    timed = _Timed(proposer)
     room = min(256, target.config.max_position_embeddings - max_new_tokens - 32)  # 32: chat template
     results: dict[str, CategoryResult] = {}
     for category in categories:
@@ -90,7 +96,10 @@ def measure(
                 result.plain_seconds += time.perf_counter() - start
                 result.plain_tokens += len(plain.token_ids)
             start = time.perf_counter()
-            out = generate(target, ids, params, proposer, draft_len=draft_len, adaptive=adaptive)
+            timed.seconds = 0.0
+            out = generate(target, ids, params, timed, draft_len=draft_len, adaptive=adaptive)
+            result.draft_seconds += timed.seconds
+            result.draft_tokens += out.metrics.draft_tokens
             result.spec_seconds += time.perf_counter() - start
             result.prompts += 1
             result.new_tokens += out.metrics.new_tokens
@@ -98,6 +107,27 @@ def measure(
             result.per_prompt.append(round(out.metrics.acceptance_length, 3))
             result.exact += int(plain is not None and plain.token_ids == out.token_ids)
     return results
+
+
+class _Timed:
+    """The proposer, with the time spent proposing accumulated (the draft's cost)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.seconds = inner, 0.0
+        self.kind, self.hidden_layers = inner.kind, inner.hidden_layers
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def update(self, accepted: int, proposed: int) -> None:
+        self.inner.update(accepted, proposed)
+
+    def propose(self, state: Any, max_tokens: int) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.inner.propose(state, max_tokens)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 def overall(results: dict[str, CategoryResult]) -> float:

@@ -147,8 +147,9 @@ def served_speed(grpc_url: str, prompts: list[str], max_tokens: int, *,
     return _summary(tokens, seconds, ttfts)
 
 
-def inprocess_speed(decoder: Any, prompts: list[str], params: Any) -> dict[str, float]:
-    """The same measurement on a runtime Decoder in this process (no server)."""
+def inprocess_speed(decoder: Any, prompts: list[str], params: Any) -> dict[str, Any]:
+    """The same measurement on a runtime Decoder in this process (no server); also returns the
+    new-token count per prompt ("tokens_by_prompt"), exact counts for served_speed at greedy."""
     tokens, seconds, ttfts = [], [], []
     for prompt in prompts:
         first: list[float] = []
@@ -157,7 +158,7 @@ def inprocess_speed(decoder: Any, prompts: list[str], params: Any) -> dict[str, 
         seconds.append(time.perf_counter() - start)
         tokens.append(result.metrics.new_tokens)
         ttfts.append((first[0] if first else time.perf_counter()) - start)
-    return _summary(tokens, seconds, ttfts)
+    return {**_summary(tokens, seconds, ttfts), "tokens_by_prompt": dict(zip(prompts, tokens))}
 
 
 def compare_served_inprocess(repo: str | Path, prompts: list[str], max_tokens: int, *,
@@ -171,14 +172,14 @@ def compare_served_inprocess(repo: str | Path, prompts: list[str], max_tokens: i
     repo = Path(repo)
     decoder = load_decoder(repo / "tensorrt_llm" / "1" / "deployment.json")
     params = SamplingParams(max_new_tokens=max_tokens)
-    decoder.generate(prompts[0], params)  # warm-up: first-call allocations
+    decoder.generate(prompts[0], SamplingParams(max_new_tokens=4))  # warm-up: first-call allocations
     local = inprocess_speed(decoder, prompts, params)
-    counts = {p: decoder.generate(p, params)[1].metrics.new_tokens for p in prompts}
+    counts = local.pop("tokens_by_prompt")
     owned = server is None
     server = TritonServer(repo).start() if owned else server
     try:
         with StreamClient(server.grpc_url) as client:
-            client.generate(prompts[0], max_tokens)  # warm-up
+            client.generate(prompts[0], 4)  # warm-up
         served = served_speed(server.grpc_url, prompts, max_tokens, count_tokens=lambda p, _: counts[p])
     finally:
         if owned:

@@ -297,23 +297,27 @@ def run(
     consumes = tuple(s for s in _UPSTREAM if build.record(s) is not None)
     if build.completed(STAGE, settings, consumes=consumes):
         return build.path(OUT)
-    tokenizer_dir = _tokenizer_dir(build, model_dir)
-    base = build.root.resolve() / OUT / "cpu" / "tensorrt_llm" / "1"
-    deployment = deployment_json(base, model_dir, dtype, spec, spec_dir, choices=settings["choices"],
-                                 max_draft_len=max_draft_len, draft_model_dir=draft)
     with build.stage(STAGE, OUT, settings, consumes=consumes) as tmp:
-        write_cpu_repo(tmp / "cpu", deployment, model_dir, tokenizer_dir, max_batch_size=cpu_max_batch_size)
-        values = write_engine_repo(
-            tmp / "engine", spec, tree, build.path("engines").resolve(), tokenizer_dir,
-            max_batch_size=max_batch_size, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
-            decoupled=decoupled)
-        atomic_write_text(tmp / "engine" / "fill_template_args.txt", backend_fill_args(values) + "\n")
-        write_llmapi_repo(
-            tmp / "llmapi", spec, model_dir, spec_dir, draft, max_draft_len=max_draft_len,
-            max_batch_size=max_batch_size, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
-            decoupled=decoupled)
-        atomic_write_text(tmp / "README.md", _readme(spec))
+        _write_repos(tmp, build, model_dir, spec_dir, tree, draft, settings)
     return build.path(OUT)
+
+
+def _write_repos(
+    tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tree: ChoicesTree | None,
+    draft: Path | None, settings: dict[str, Any],
+) -> None:
+    kind = settings["spec"]
+    tokenizer_dir = _tokenizer_dir(build, model_dir)
+    gpu = {"max_batch_size": settings["max_batch_size"], "decoupled": settings["decoupled"],
+           "kv_cache_free_gpu_mem_fraction": settings["kv_cache_free_gpu_mem_fraction"]}
+    base = build.root.resolve() / OUT / "cpu" / "tensorrt_llm" / "1"  # where deployment.json lives
+    deployment = deployment_json(base, model_dir, settings["dtype"], kind, spec_dir, choices=settings["choices"],
+                                 max_draft_len=settings["max_draft_len"], draft_model_dir=draft)
+    write_cpu_repo(tmp / "cpu", deployment, model_dir, tokenizer_dir, max_batch_size=settings["cpu_max_batch_size"])
+    values = write_engine_repo(tmp / "engine", kind, tree, build.path("engines").resolve(), tokenizer_dir, **gpu)
+    atomic_write_text(tmp / "engine" / "fill_template_args.txt", backend_fill_args(values) + "\n")
+    write_llmapi_repo(tmp / "llmapi", kind, model_dir, spec_dir, draft, max_draft_len=settings["max_draft_len"], **gpu)
+    atomic_write_text(tmp / "README.md", _readme(kind))
 
 
 def _templates_digest() -> str:

@@ -145,12 +145,13 @@ class TritonServer:
         return self.process.pid if self.process else None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def command(self, backends: Path) -> list[str]:
+    def command(self, backends: Path | None) -> list[str]:
+        """backends None: the binary's own backend directory (a GPU container's tritonserver)."""
         binary = self.tritonserver or bundled_tritonserver()
         return [
             str(binary),
             "--model-repository", str(self.repo),
-            "--backend-directory", str(backends),
+            *(["--backend-directory", str(backends)] if backends else []),
             "--http-address", self.host, "--http-port", str(self.http_port),
             "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
             "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
@@ -160,10 +161,10 @@ class TritonServer:
         ]
 
     def start(self) -> "TritonServer":
-        if not (self.repo / "ensemble").exists() and not any(self.repo.glob("*/config.pbtxt")):
+        if not any(self.repo.glob("*/config.pbtxt")):
             raise SpecDeployError(f"{self.repo} is not a model repository", hint="run `specdeploy package` first")
         self._work = Path(tempfile.mkdtemp(prefix="specdeploy-triton-"))
-        backends = make_backend_dir(self._work, self.tritonserver or bundled_tritonserver())
+        backends = None if self.tritonserver else make_backend_dir(self._work, bundled_tritonserver())
         log = self.log_path or self._work / "tritonserver.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log

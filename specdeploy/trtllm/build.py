@@ -150,6 +150,23 @@ def engine_command(config: dict[str, Any], role: str, summary: dict[str, Any], l
     return argv
 
 
+def plan_notes(checkpoints: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """What the engines will and will not do, for whoever serves them."""
+    arch = checkpoints.get("target", {}).get("architecture")
+    notes = []
+    if arch == "MedusaForCausalLM":
+        notes.append("TRT-LLM's Medusa decoding is greedy only; serve with decoding_mode medusa and the same medusa_choices")
+    if arch == "EagleForCausalLM":
+        notes.append("TRT-LLM's engine EAGLE accepts greedily (eagle_sample_and_accept_draft_plugin); serve with decoding_mode eagle "
+                     "and the same eagle_choices")
+    if summary.get("kind") in ("draft", "ngram"):
+        notes.append("draft tokens come from outside the target engine (Triton tensorrt_llm_bls for draft-target); "
+                     f"at most max_draft_len={summary.get('max_draft_len')} per step")
+    if summary.get("tp_size", 1) * summary.get("pp_size", 1) > 1:
+        notes.append("multi-GPU engines are served with mpirun -n <world_size> (one rank per GPU)")
+    return notes
+
+
 def make_plan(ckpt_root: Path, limits: BuildLimits = BuildLimits()) -> dict[str, Any]:
     summary_file = ckpt_root / "convert_summary.json"
     if not summary_file.exists():
@@ -164,7 +181,7 @@ def make_plan(ckpt_root: Path, limits: BuildLimits = BuildLimits()) -> dict[str,
         commands.append(engine_command(config, role, summary, limits))
     plan = {"trtllm_version_window": ENGINE_FLOW_WINDOW, "spec": summary, "limits": limits.__dict__,
             "checkpoints": checkpoints, "commands": commands, "world_size": summary["tp_size"] * summary["pp_size"],
-            "engine_flow": bool(commands)}
+            "engine_flow": bool(commands), "notes": plan_notes(checkpoints, summary)}
     if not commands:
         plan["reason"] = summary.get("reason") or "no engine-flow checkpoint in trtllm_ckpt/"
     return plan
@@ -274,4 +291,6 @@ def main(args: argparse.Namespace) -> int:
     print(f"engines were NOT built on this host: {plan.get('host')}.")
     print(f"The build plan and script are in {out}/{PLAN} and {out}/{SCRIPT}.")
     print(f"To build them: {CONTAINER_HINT}.")
+    for note in plan.get("notes", []):
+        print(f"note: {note}")
     return 0

@@ -218,15 +218,19 @@ def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: i
 
 
 def build(
-    target: Any, *, spec_dir: str | os.PathLike | None = None, mode: str = "dynamic",
+    target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None, mode: str | None = None,
     choices: list[list[int]] | str | None = None, depth: int = 5, topk: int = 3, width: int = 3,
     chain_len: int = 4, max_depth: int = MAX_DEPTH, max_draft_len: int | None = None,
     draft_vocab: int | None = None, seed: int = 0, **_: Any,
 ) -> EagleProposer:
     """An EAGLE proposer from a spec/ folder (trained) or a fresh module (tests).
 
-    mode chain | static (choices: eagle_choices) | dynamic (EAGLE-2: depth, topk, width).
+    mode chain | static (choices: eagle_choices) | dynamic (EAGLE-2: depth, topk, width); by
+    default static when choices are given, else dynamic. `path` is an alias of spec_dir (the
+    deployment.json spirit: {"kind", "path", "choices", ...}).
     """
+    spec_dir = spec_dir if spec_dir is not None else path
+    mode = mode or ("static" if choices is not None else "dynamic")
     if mode not in MODES:
         raise SpecDeployError(f"unknown EAGLE tree mode '{mode}'", hint=f"use one of: {', '.join(MODES)}")
     for name, value in (("depth", depth), ("topk", topk), ("width", width), ("chain_len", chain_len)):

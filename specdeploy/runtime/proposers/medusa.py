@@ -63,10 +63,11 @@ def _heads_from(target: Any, spec_dir: str | os.PathLike | None, num_heads: int,
 
 
 def build(
-    target: Any, *, spec_dir: str | os.PathLike | None = None, choices: list[list[int]] | str | None = None,
+    target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None, choices: list[list[int]] | str | None = None,
     num_heads: int = 3, num_layers: int = 1, max_draft_len: int | None = None, seed: int = 0, **_: Any,
 ) -> MedusaProposer:
-    """Medusa heads from a spec/ folder (trained), or fresh ones (num_heads/num_layers; tests)."""
+    """Medusa heads from a spec/ folder (trained; `path` is an alias), or fresh ones (tests)."""
+    spec_dir = spec_dir if spec_dir is not None else path
     heads, config = _heads_from(target, spec_dir, num_heads, num_layers, seed)
     tree = validate_choices(
         choices if choices is not None else config.get("choices", [[0], [0, 0], [0, 0, 0]][: len(heads)]),

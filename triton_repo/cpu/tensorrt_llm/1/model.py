@@ -24,6 +24,10 @@ class BadRequest(ValueError):
     """A client error: reported on the request, the model keeps serving."""
 
 
+class Cancelled(Exception):
+    """The client went away (or cancelled): stop generating for it."""
+
+
 def _param(config: dict, key: str, default: str = "") -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", default)
     return default if value.startswith("${") else value
@@ -114,6 +118,8 @@ class TritonPythonModel:
             self._generate(request, sink)
         except BadRequest as err:
             sink.error(str(err))
+        except Cancelled:
+            sink.error("request cancelled")
         except SpecDeployError as err:
             sink.error(str(err).replace("\n  hint:", "; hint:"))
         except Exception as err:  # the server must survive whatever one request does
@@ -177,7 +183,7 @@ class TritonPythonModel:
         params = self._params(request, len(prompt))
         streaming = bool(_scalar(request, "streaming", False)) and self.decoupled
         exclude = bool(_scalar(request, "exclude_input_in_output", self.exclude_input))
-        stream = _Streamer(self.tokenizer, sink) if streaming else None
+        stream = _Streamer(self.tokenizer, sink, request) if streaming else None
         result = self._run(prompt, params, stream.on_tokens if stream else None)
         tokens = [] if streaming else (result.token_ids if exclude else prompt + result.token_ids)
         if stream:
@@ -204,13 +210,16 @@ class _Streamer:
     """Sends each accepted group at once; holds back tokens that end inside a UTF-8 character
     so the postprocessing model (which decodes each response alone) never emits a broken one."""
 
-    def __init__(self, tokenizer, sink: _Sink) -> None:
+    def __init__(self, tokenizer, sink: _Sink, request) -> None:
         self.tokenizer = tokenizer
         self.sink = sink
+        self.request = request
         self.pending: list[int] = []
         self.first_ns: int | None = None
 
     def on_tokens(self, group: list[int]) -> None:
+        if self.request.is_cancelled():  # a closed stream: no one reads the rest
+            raise Cancelled()
         self.pending += group
         if self.tokenizer.decode(self.pending).endswith("\ufffd"):
             return
