@@ -32,7 +32,11 @@ fake-quantized with the stored static input_scale (after pre_quant_scale), exact
 quantize-dequantize ModelOpt applied during calibration; K and V are fake-quantized with
 k_scale / v_scale at the attention call (post-RoPE, like ModelOpt and TRT-LLM's KV cache).
 No ModelOpt import, no pickle: every process that serves this folder (runtime, Triton model,
-verify, bench) gets the same numbers. NVFP4 exports but cannot run on CPU (ModelOpt's dynamic
+verify, bench) gets the same numbers. Checked against ModelOpt layer by layer (tests): given the
+exported weights, each Linear's output is ModelOpt's own (SmoothQuant: the whole forward, bit for
+bit). ModelOpt's in-memory fake quant itself differs slightly from its export (the export divides
+w / scale in bf16, so ~4% of FP8 weights land one FP8 step away at near-ties): we follow the
+export, because it is what TensorRT-LLM computes with. NVFP4 exports but cannot run on CPU (ModelOpt's dynamic
 block quantization needs CUDA): load_quantized refuses it with a clear error.
 """
 
@@ -227,7 +231,7 @@ def export_checkpoint(model: nn.Module, out_dir: Path) -> None:
 def _copy_tokenizer_files(base_dir: Path, out_dir: Path) -> None:
     for src in base_dir.iterdir():
         if src.is_file() and not (out_dir / src.name).exists() and src.suffix in (".json", ".jinja", ".txt", ".model"):
-            if src.name not in ("config.json", "model.safetensors.index.json"):
+            if src.name not in ("config.json", "model.safetensors.index.json", "specdeploy_source.json"):
                 shutil.copy2(src, out_dir / src.name)
 
 
@@ -488,15 +492,17 @@ def token_agreement(base: nn.Module, quant: nn.Module, prompts: list[list[int]],
     }
 
 
-def acceptance_length(target: nn.Module, spec_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+def acceptance_length(target: nn.Module, spec_dir: Path | None, prompts: list[list[int]], max_new_tokens: int,
                       quant_spec_dir: Path | None = None) -> float:
-    """Mean tokens per target forward with the module in spec_dir proposing for `target`
-    (with the FP8 numerics of quant_spec_dir's module when given)."""
+    """Mean tokens per target forward with the module in spec_dir proposing for `target` (with
+    the FP8 numerics of quant_spec_dir's module when given); n-gram lookup without a module."""
     from specdeploy.runtime.proposers import build_proposer
     from specdeploy.spec import read_spec_config
 
-    kind = read_spec_config(spec_dir)["kind"]
-    proposer = build_proposer(kind, target, spec_dir=spec_dir)
+    if spec_dir is None:
+        proposer = build_proposer("ngram", target)
+    else:
+        proposer = build_proposer(read_spec_config(spec_dir)["kind"], target, spec_dir=spec_dir)
     if quant_spec_dir is not None:
         apply_spec_quantization(proposer, quant_spec_dir)
     tokens = forwards = 0
@@ -530,22 +536,33 @@ def quality_report(base_dir: Path, quant_dir: Path, *, dtype: str = "bfloat16", 
     report["perplexity"] = {"base": ppl_base, "quantized": ppl_quant, "relative_change": ppl_quant / ppl_base - 1,
                             "texts": len(texts), "tokens": sum(len(t) - 1 for t in texts)}
     report["greedy_agreement"] = token_agreement(base, quantized, prompt_ids, max_new_tokens)
-    if spec_dir is not None and (spec_dir / "spec_config.json").is_file():
-        report["acceptance_length"] = _acceptance_report(base, quantized, spec_dir, quant_spec_dir, prompt_ids, max_new_tokens)
+    if spec_dir is not None and not (spec_dir / "spec_config.json").is_file():
+        spec_dir = None  # a draft-model or n-gram build: measure with n-gram lookup
+    report["acceptance_length"] = _acceptance_report(base, quantized, spec_dir, quant_spec_dir, prompt_ids, max_new_tokens)
     report["seconds"] = round(time.time() - started, 1)
     return report
 
 
-def _acceptance_report(base: nn.Module, quantized: nn.Module, spec_dir: Path, quant_spec_dir: Path | None,
+def _acceptance_report(base: nn.Module, quantized: nn.Module, spec_dir: Path | None, quant_spec_dir: Path | None,
                        prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     try:
         unquantized = acceptance_length(base, spec_dir, prompt_ids, max_new_tokens)
         on_quantized = acceptance_length(quantized, spec_dir, prompt_ids, max_new_tokens, quant_spec_dir)
-    except (ImportError, AttributeError) as err:  # runtime or proposers not available yet
+    except ImportError as err:  # the runtime or its proposers are not installed
         return {"skipped": f"speculative runtime unavailable: {err}"}
-    return {"unquantized_pair": unquantized, "quantized_base": on_quantized,
+    if spec_dir is None:
+        proposer = "ngram (no Medusa/EAGLE module in this build)"
+    else:
+        proposer = f"{_spec_kind(spec_dir)} module ({'FP8' if quant_spec_dir else 'unquantized'} on the quantized base)"
+    return {"unquantized_pair": unquantized, "quantized_base": on_quantized, "proposer": proposer,
             "module": "quantized" if quant_spec_dir else "unquantized",
             "relative_change": on_quantized / unquantized - 1}
+
+
+def _spec_kind(spec_dir: Path) -> str:
+    from specdeploy.spec import read_spec_config
+
+    return read_spec_config(spec_dir)["kind"]
 
 
 def report_markdown(report: dict[str, Any], settings: dict[str, Any]) -> str:
@@ -564,7 +581,7 @@ def report_markdown(report: dict[str, Any], settings: dict[str, Any]) -> str:
     ]
     acc = report.get("acceptance_length")
     if acc and "skipped" not in acc:
-        lines.append(f"| acceptance length ({acc['module']} module) | {acc['unquantized_pair']:.3f} | {acc['quantized_base']:.3f} | {100 * acc['relative_change']:+.2f}% |")
+        lines.append(f"| acceptance length ({acc['proposer']}) | {acc['unquantized_pair']:.3f} | {acc['quantized_base']:.3f} | {100 * acc['relative_change']:+.2f}% |")
     elif acc:
         lines.append(f"\nAcceptance length not measured: {acc['skipped']}")
     return "\n".join(lines) + "\n"
@@ -603,37 +620,46 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
 def _quantize_into(out: Path, base_dir: Path, spec_dir: Path | None, settings: dict[str, Any]) -> None:
     from specdeploy.models import load_tokenizer
 
-    qformat, kv_cache = settings["qformat"], settings["kv_cache"]
-    tokenizer = load_tokenizer(base_dir)
-    batches = calibration_batches(tokenizer, settings["calib_size"], settings["calib_seq_len"], settings["seed"])
-    model = _load_base(base_dir, settings["dtype"])  # a fresh instance: export mutates it
-    check_block_size(model, qformat, settings["awq_block_size"])
-    started = time.time()
-    quantize_model(model, qformat, kv_cache, batches, settings["awq_block_size"])
-    calib_seconds = time.time() - started
-    if qformat == "none" and kv_cache == "none":
-        model.save_pretrained(out)
-    else:
-        print(f"exporting the {qformat} checkpoint (ModelOpt unified HF format)")
-        export_checkpoint(model, out)
-    del model
+    batches = calibration_batches(load_tokenizer(base_dir), settings["calib_size"], settings["calib_seq_len"], settings["seed"])
+    calib_seconds = _quantize_and_export(out, base_dir, batches, settings)
     _copy_tokenizer_files(base_dir, out)
     quant_spec_dir = None
     if settings["quantize_spec"]:
         quant_spec_dir = quantize_spec_module(base_dir, spec_dir, out / "spec", batches, settings)
     atomic_write_json(out / "specdeploy_quant.json", {
-        "settings": settings, "modelopt_config": _jsonable(quant_config(qformat, kv_cache, settings["awq_block_size"])),
+        "settings": settings,
+        "modelopt_config": _jsonable(quant_config(settings["qformat"], settings["kv_cache"], settings["awq_block_size"])),
         "calibration": {"sequences": len(batches), "tokens": sum(b.shape[1] for b in batches), "seconds": round(calib_seconds, 1)},
-        "cpu_runnable": qformat not in CPU_UNRUNNABLE,
+        "cpu_runnable": settings["qformat"] not in CPU_UNRUNNABLE,
         "note": "load with specdeploy.models.load_causal_lm (dequantized weights + static fake-quantized inputs/KV)",
     })
     if settings["report"]:
-        report = quality_report(base_dir, out, dtype=settings["dtype"], prompts=settings["report_prompts"],
-                                max_new_tokens=settings["report_tokens"], ppl_texts=settings["report_texts"], spec_dir=spec_dir,
-                                quant_spec_dir=quant_spec_dir, seed=settings["seed"])
-        atomic_write_json(out / "quantize.json", report)
-        atomic_write_text(out / "quantize.md", report_markdown(report, settings))
-        print(report_markdown(report, settings))
+        _write_report(out, base_dir, spec_dir, quant_spec_dir, settings)
+
+
+def _quantize_and_export(out: Path, base_dir: Path, batches: list[torch.Tensor], settings: dict[str, Any]) -> float:
+    """Calibrate a fresh bf16/fp16 instance and export it into `out`; returns calibration seconds."""
+    qformat, kv_cache = settings["qformat"], settings["kv_cache"]
+    model = _load_base(base_dir, settings["dtype"])  # a fresh instance: export mutates it
+    check_block_size(model, qformat, settings["awq_block_size"])
+    started = time.time()
+    quantize_model(model, qformat, kv_cache, batches, settings["awq_block_size"])
+    seconds = time.time() - started
+    if qformat == "none" and kv_cache == "none":
+        model.save_pretrained(out)
+    else:
+        print(f"exporting the {qformat} checkpoint (ModelOpt unified HF format)")
+        export_checkpoint(model, out)
+    return seconds
+
+
+def _write_report(out: Path, base_dir: Path, spec_dir: Path | None, quant_spec_dir: Path | None, settings: dict[str, Any]) -> None:
+    report = quality_report(base_dir, out, dtype=settings["dtype"], prompts=settings["report_prompts"],
+                            max_new_tokens=settings["report_tokens"], ppl_texts=settings["report_texts"],
+                            spec_dir=spec_dir, quant_spec_dir=quant_spec_dir, seed=settings["seed"])
+    atomic_write_json(out / "quantize.json", report)
+    atomic_write_text(out / "quantize.md", report_markdown(report, settings))
+    print(report_markdown(report, settings))
 
 
 SPEC_PREFIXES = {"medusa": "medusa_heads", "eagle": "eagle_module"}

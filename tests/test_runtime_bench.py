@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from specdeploy.bench import DEFAULT_METHODS, Bench, run_bench
+from specdeploy.bench import DEFAULT_METHODS, Bench, divergence, run_bench
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
-from tests.test_runtime_helpers import PROMPTS, draft, one_thread, target, tokenizer  # noqa: F401
+from tests.test_runtime_helpers import PROMPTS, draft, hf_greedy, one_thread, target, tokenizer  # noqa: F401
 
 
 def test_bench_rows(target, draft, tokenizer):
@@ -26,6 +26,16 @@ def test_bench_rows(target, draft, tokenizer):
     assert summary["ar"]["acceptance_length"] == pytest.approx(12 / 11, abs=0.1)
     assert summary["hf-ar"]["same_as_ar"] == 1.0  # the runtime's own AR equals transformers
     assert summary["hf-assisted"]["acceptance_length"] is None
+    assert summary["draft"]["max_divergence_margin"] is None  # nothing diverged
+
+
+def test_divergence_margin(target, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    ref = hf_greedy(target, ids, 6)
+    other = ref[:3] + [(ref[3] + 1) % target.config.vocab_size] + ref[4:]
+    found = divergence(target, ids, ref, other)
+    assert found["position"] == 3 and found["logit_margin"] > 0  # AR took the argmax
+    assert divergence(target, ids, ref, list(ref)) is None
 
 
 def test_bench_needs_module_for_medusa(target):

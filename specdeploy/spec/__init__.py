@@ -12,8 +12,12 @@ runtime proposers):
          "base_model": "<path of the base HF folder the module was trained on>",
          "hidden_layers": [...],     # target hidden states the runtime proposer reads
                                      # (output_hidden_states indexing: 0 = embeddings)
-         "draft_vocab_size": int,    # EAGLE only: size of the reduced draft vocabulary
-         "training": {"steps", "seconds", "tokens", "final_loss", "first_loss", "lr", ...},
+         "draft_vocab_size": int,    # EAGLE: size of the reduced draft vocabulary (d2t in the module)
+         "draft_vocab_ids": [...],   # Medusa: the frequent tokens the runtime ranks (not a weight:
+                                     # the heads keep their full-vocabulary projection)
+         "draft_vocab_coverage": float,  # share of training next-tokens inside that vocabulary
+         "training": {"steps", "seconds", "tokens", "first_loss", "final_loss", "final_acc", "lr",
+                      "distill": {...}, "settings": {...}},
          "format_version": 1}
     spec/module.safetensors
         only the trained module's tensors, keys exactly as in the converted model's state_dict():
@@ -22,6 +26,11 @@ runtime proposers):
         Stored in float32 (the base dtype is chosen when loading).
     spec/eagle3_export/      (EAGLE only) ModelOpt's export_speculative_decoding output
                              (config.json + model.safetensors of a LlamaForCausalLMEagle3 draft)
+
+Producers: the stage function `specdeploy.spec.commands.run(build, spec, preset="quick", **overrides)`
+(what `make engine` calls) and `specdeploy spec train`. Consumers: `load_spec_model` below, and
+the runtime proposers (`build_proposer("medusa"|"eagle", target, spec_dir=...)`), which take the
+module from `load_module_model` without loading a second copy of the base.
 
 `load_spec_model(base_model, spec_dir)` rebuilds the mtsp-converted model with the module
 weights loaded. No pickle anywhere in the deliverable: resumable training checkpoints under the

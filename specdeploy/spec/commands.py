@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_p.add_argument("--preset", choices=("quick", "long"), default="quick",
                          help="quick: <= 10 min of training (make engine); long: <= 60 min on 10x the data")
     for f in fields(TrainSettings):
-        if f.name in ("kind", "choices", "extra"):
+        if f.name in ("kind", "choices"):
             continue
         kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
         train_p.add_argument(f"--{f.name.replace('_', '-')}", default=None, help=f"(default: preset's, else {f.default})", **kind)
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    overrides = {f.name: getattr(args, f.name) for f in fields(TrainSettings) if f.name not in ("kind", "choices", "extra")}
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainSettings) if f.name not in ("kind", "choices")}
     if args.choices:
         overrides["choices"] = parse_choices(args.choices, f"{args.spec}_choices")
     build = build_from_args(args)

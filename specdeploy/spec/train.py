@@ -50,12 +50,14 @@ class TrainSettings:
     checkpoint_every: int = 50
     seed: int = 0
     choices: list[list[int]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.kind not in ("medusa", "eagle"):
             raise SpecDeployError(f"unknown spec kind '{self.kind}'", hint="use --spec medusa or --spec eagle")
-        for name in ("steps", "batch_size", "window", "num_prompts", "max_new_tokens", "medusa_heads", "eagle_layers", "ttt_steps"):
+        if self.num_prompts < 0 or self.teacher_forced < 0 or self.num_prompts + self.teacher_forced == 0:
+            raise SpecDeployError("no training data: num-prompts and teacher-forced are both 0 (or negative)",
+                                  hint="e.g. --num-prompts 128 (generated answers) and/or --teacher-forced 256")
+        for name in ("steps", "batch_size", "window", "max_new_tokens", "medusa_heads", "eagle_layers", "ttt_steps"):
             if getattr(self, name) <= 0:
                 raise SpecDeployError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}", hint="pass a positive value")
         if self.lr <= 0:
@@ -120,10 +122,12 @@ def build_training_model(base_dir: Path, settings: TrainSettings, data: DistillD
     num_layers = model.config.num_hidden_layers
     config = _modelopt_config(settings, model.config, offline=True)
     convert_model(model, settings.kind, config)
-    extra: dict[str, Any] = {}
     if settings.kind == "medusa":
         medusa_spec.init_module(model)
         online = config
+        d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, min(settings.draft_vocab, model.config.vocab_size), model.config.vocab_size)
+        ids = (d2t + torch.arange(len(d2t))).tolist()
+        extra = {"draft_vocab_ids": ids, "draft_vocab_coverage": round(coverage, 4)}  # what the proposer ranks
     else:
         size = model.eagle_module.config.draft_vocab_size
         d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, size, model.config.vocab_size)

@@ -162,21 +162,26 @@ def inprocess_speed(decoder: Any, prompts: list[str], params: Any) -> dict[str, 
 
 
 def compare_served_inprocess(repo: str | Path, prompts: list[str], max_tokens: int, *,
-                             server: Any = None) -> dict[str, Any]:
+                             threads: int = 1, server: Any = None) -> dict[str, Any]:
     """Served (gRPC streaming through the ensemble) vs the same deployment in this process, at
-    greedy: same prompts, same token counts. Starts a TritonServer on `repo` unless given one."""
+    greedy: same prompts, same token counts, same torch thread count on both sides (on a busy
+    2-core machine two OpenMP threads can be 10x slower than one for small models). Starts a
+    TritonServer on `repo` unless given one."""
+    import torch
+
     from specdeploy.runtime.deployment import load_decoder
     from specdeploy.runtime.types import SamplingParams
     from specdeploy.triton.serve import TritonServer
 
     repo = Path(repo)
+    torch.set_num_threads(threads)
     decoder = load_decoder(repo / "tensorrt_llm" / "1" / "deployment.json")
     params = SamplingParams(max_new_tokens=max_tokens)
     decoder.generate(prompts[0], SamplingParams(max_new_tokens=4))  # warm-up: first-call allocations
     local = inprocess_speed(decoder, prompts, params)
     counts = local.pop("tokens_by_prompt")
     owned = server is None
-    server = TritonServer(repo).start() if owned else server
+    server = TritonServer(repo, threads=threads).start() if owned else server
     try:
         with StreamClient(server.grpc_url) as client:
             client.generate(prompts[0], 4)  # warm-up
@@ -185,4 +190,4 @@ def compare_served_inprocess(repo: str | Path, prompts: list[str], max_tokens: i
         if owned:
             server.stop()
     ratio = served["tokens_per_s"] / local["tokens_per_s"] if local["tokens_per_s"] else 0.0
-    return {"served": served, "inprocess": local, "served_over_inprocess": ratio}
+    return {"served": served, "inprocess": local, "served_over_inprocess": ratio, "threads": threads}

@@ -75,13 +75,15 @@ def make_backend_dir(work: Path, tritonserver: Path) -> Path:
     return work / "backends"
 
 
-def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(base: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
     """The environment the stub needs: this interpreter's libpython and venv first."""
     env = dict(os.environ if base is None else base)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     # the runtime's torch threads share the machine's cores with the server's own threads
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
     return env
 
@@ -104,6 +106,7 @@ class TritonServer:
         log_path: str | os.PathLike | None = None,
         tritonserver: str | os.PathLike | None = None,
         ready_timeout: float = 180.0,
+        threads: int | None = None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.repo = Path(repo).resolve()
@@ -114,6 +117,7 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else None
         self.tritonserver = Path(tritonserver) if tritonserver else None
         self.ready_timeout = ready_timeout
+        self.threads = threads  # torch/OpenMP threads of the models (OMP_NUM_THREADS)
         self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
         self._work: Path | None = None
@@ -171,7 +175,7 @@ class TritonServer:
         self._log_file = open(log, "ab")
         self.process = subprocess.Popen(
             self.command(backends), stdout=self._log_file, stderr=subprocess.STDOUT,
-            env=server_env(), start_new_session=True,  # its own group: stop() reaches the stubs
+            env=server_env(threads=self.threads), start_new_session=True,  # its own group: stop() reaches the stubs
         )
         try:
             self.wait_ready()
@@ -277,6 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--tritonserver", help="tritonserver binary (default: the one bundled in nvidia-pytriton)")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--threads", type=int, help="torch threads per model (default: $OMP_NUM_THREADS or 2); "
+                        "1 is steadier on a busy shared machine")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -287,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
     server = TritonServer(
         repo, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         host=args.host, log_path=build.root / "logs" / "tritonserver.log",
-        tritonserver=args.tritonserver, ready_timeout=args.ready_timeout,
+        tritonserver=args.tritonserver, ready_timeout=args.ready_timeout, threads=args.threads,
     )
     stopping = []
 

@@ -101,6 +101,9 @@ class TritonPythonModel:
         self.decoder = load_decoder(path)
         self.tokenizer = self.decoder.tokenizer
         self.context = int(getattr(self.decoder.target.config, "max_position_embeddings", 0) or 1 << 30)
+        import torch
+
+        pb_utils.Logger.log_info(f"specdeploy tensorrt_llm: {path}, torch threads {torch.get_num_threads()}")
 
     # -- requests ----------------------------------------------------------------------------
     def execute(self, requests):
