@@ -312,25 +312,35 @@ class QuantLinear(nn.Linear):
         return f"{super().extra_repr()}, act={self.act_format}, smooth={self.pre_quant_scale is not None}"
 
 
-def install_kv_fake_quant() -> None:
-    """Wrap transformers' "sdpa" attention function once: attention modules carrying
-    `_specdeploy_kv = (fmt, k_scale, v_scale)` see fake-quantized K/V; every other module
-    passes through untouched (so the wrapper is harmless to unquantized models)."""
-    from transformers.modeling_utils import AttentionInterface
+KV_ATTENTION = "specdeploy_sdpa_kv_quant"
 
-    original = AttentionInterface._global_mapping["sdpa"]
-    if getattr(original, "_specdeploy_kv", False):
+
+def _register_kv_attention() -> None:
+    """A named attention function: fake-quantize K/V, then run whatever "sdpa" currently is.
+
+    It is selected per attention module (its own config copy), not by replacing "sdpa": ModelOpt
+    swaps ALL_ATTENTION_FUNCTIONS["sdpa"] in and out around its own forwards, which would shadow
+    a global replacement in any process that also calibrates (e.g. the quality report)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if KV_ATTENTION in AttentionInterface._global_mapping:
         return
 
     def sdpa_with_kv_quant(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
-        kv = getattr(module, "_specdeploy_kv", None)
-        if kv is not None:
-            fmt, k_scale, v_scale = kv
-            key, value = fake_quant(key, k_scale, fmt), fake_quant(value, v_scale, fmt)
-        return original(module, query, key, value, *args, **kwargs)
+        fmt, k_scale, v_scale = module._specdeploy_kv
+        key, value = fake_quant(key, k_scale, fmt), fake_quant(value, v_scale, fmt)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, *args, **kwargs)
 
-    sdpa_with_kv_quant._specdeploy_kv = True
-    AttentionInterface.register("sdpa", sdpa_with_kv_quant)
+    AttentionInterface.register(KV_ATTENTION, sdpa_with_kv_quant)
+
+
+def attach_kv_quant(attention: nn.Module, fmt: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """K/V of this attention module are fake-quantized (post-RoPE, at the attention call, like
+    ModelOpt's _QuantAttention); the model's own config keeps "sdpa" (masks, callers)."""
+    _register_kv_attention()
+    attention._specdeploy_kv = (fmt, k_scale, v_scale)
+    attention.config = copy.copy(attention.config)
+    attention.config._attn_implementation = KV_ATTENTION
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -386,8 +396,7 @@ def apply_quantized_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], 
         k_scale = tensors.pop(key).float()
         v_scale = tensors.pop(f"{attn}.v_proj.v_scale").float()
         if kv_format:
-            install_kv_fake_quant()
-            model.get_submodule(attn)._specdeploy_kv = (kv_format, k_scale, v_scale)
+            attach_kv_quant(model.get_submodule(attn), kv_format, k_scale, v_scale)
     return swapped
 
 

@@ -171,9 +171,10 @@ def test_loader_matches_modelopt_layer_by_layer(tiny128_dir, qformat):
 
 
 def test_int8_smoothquant_whole_model_equals_modelopt(tiny128_dir):
-    """SmoothQuant with the exported weights: the whole forward (smoothing, static int8 inputs) is
-    ModelOpt's own, bit for bit."""
-    reference, loaded = _modelopt_reference(tiny128_dir, "int8_sq", "none")
+    """SmoothQuant + FP8 KV cache with the exported weights: the whole forward (smoothing, static
+    int8 inputs, fake-quantized K/V at the attention call) is ModelOpt's own, bit for bit."""
+    reference, loaded = _modelopt_reference(tiny128_dir, "int8_sq", "fp8")
+    assert loaded.model.layers[1].self_attn._specdeploy_kv[0] == "fp8"
     for name, layer in loaded.named_modules():
         if isinstance(layer, Q.QuantLinear):
             _use_exported_weight(reference.get_submodule(name), layer)

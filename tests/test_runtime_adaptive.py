@@ -40,17 +40,18 @@ def test_falls_back_when_slower_than_plain_then_probes():
     control.record(0, 0, seconds=0.10)
     control.record(0, 0, seconds=0.10)  # plain: 10 tokens/s
     assert control.next_length() == 4
-    control.record(accepted=1, proposed=4, seconds=0.25)  # 8 tokens/s: slower than plain
-    assert [control.next_length() for _ in range(5)] == [0, 0, 0, 0, 3]  # 4 plain steps, then a probe
-    control.record(accepted=0, proposed=3, seconds=0.20)  # the probe fails: wait twice as long
-    assert [control.next_length() for _ in range(9)] == [0] * 8 + [2]
-    control.record(accepted=2, proposed=2, seconds=0.10)  # 30 tokens/s: speculation pays again
-    assert control.next_length() == 4
-    control.record(accepted=0, proposed=4, seconds=0.20)  # one slow round alone does not flip it
-    assert control.next_length() == 3
-    control.record(accepted=0, proposed=3, seconds=0.20)
-    control.record(accepted=0, proposed=2, seconds=0.20)  # the running rate is now below plain
-    assert [control.next_length() for _ in range(5)] == [0, 0, 0, 0, 1]  # the wait was reset to 4
+    control.record(accepted=4, proposed=4, seconds=5.0)  # the first round includes the draft's prefill
+    assert control.next_length() == 6  # so its time is not held against speculation
+    control.record(accepted=1, proposed=6, seconds=0.25)  # 8 tokens/s: slower than plain
+    assert [control.next_length() for _ in range(5)] == [0, 0, 0, 0, 5]  # 4 plain steps, then a probe
+    control.record(accepted=0, proposed=5, seconds=0.20)  # the probe fails: wait twice as long
+    assert [control.next_length() for _ in range(9)] == [0] * 8 + [4]
+    control.record(accepted=4, proposed=4, seconds=0.25)  # 20 tokens/s: speculation pays again
+    assert control.next_length() == 6
+    control.record(accepted=1, proposed=6, seconds=0.40)  # one slow round alone does not flip it
+    assert control.next_length() == 5
+    control.record(accepted=1, proposed=5, seconds=0.40)  # the running rate is now below plain
+    assert [control.next_length() for _ in range(5)] == [0, 0, 0, 0, 4]  # the wait was reset to 4
 
 
 def test_fixed_length_never_adapts():

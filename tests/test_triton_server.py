@@ -46,7 +46,7 @@ def build_root(tmp_path_factory, tiny_llama_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def server(build_root):
-    srv = TritonServer(build_root / "triton_repo" / "cpu", log_path=build_root / "logs" / "test-server.log")
+    srv = TritonServer(build_root / "triton_repo" / "cpu", log_path=build_root / "logs" / "test-server.log", threads=1)
     srv.start()
     assert shm_regions(srv.shm_prefix), "the Python backend should use the server's own shm prefix"
     yield srv
@@ -171,6 +171,9 @@ def test_http_generate_non_streaming(server, decoder):
     answer = json.loads(body)
     assert answer["text_output"] == text
     assert answer["total_draft_tokens"] >= answer["total_accepted_draft_tokens"] >= 0
+    status, body = http_post(server, "/v2/models/ensemble/generate",
+                             {"text_input": PROMPT, "max_tokens": 5, "exclude_input_in_output": False})
+    assert status == 200 and json.loads(body)["text_output"] == PROMPT + text, body
 
 
 def test_stop_words_and_sampling_inputs(server, decoder):
@@ -184,6 +187,20 @@ def test_stop_words_and_sampling_inputs(server, decoder):
     first, second = http_post(server, "/v2/models/ensemble/generate", sampled), \
         http_post(server, "/v2/models/ensemble/generate", sampled)
     assert first[0] == 200 and first == second, "same seed, same sample"
+
+
+def test_concurrent_streams_get_their_own_answers(server, decoder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [PROMPT, "The quick brown fox", "for i in range(10):"]
+    expected = [reference(decoder, p, 8)[0] for p in prompts]
+
+    def ask(prompt: str) -> str:
+        with StreamClient(server.grpc_url) as client:
+            return client.generate(prompt, 8).text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(ask, prompts)) == expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +265,7 @@ def test_served_speed_measures_tokens_per_s_and_ttft(server, decoder):
 
 
 # ---------------------------------------------------------------------------------------------
-# `specdeploy serve`: the CLI process, stopped by SIGINT
+# `specdeploy serve`: the CLI process, stopped by a signal
 
 
 ECHO_MODEL = """
@@ -270,8 +287,9 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
 
-def test_serve_command_stops_cleanly_on_sigint(tmp_path):
-    """The CLI on free ports, stopped by its PID with SIGINT: exit 0, log written, shm cleaned.
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_command_stops_cleanly_on_signal(tmp_path, signum):
+    """The CLI on free ports, stopped by its PID with SIGINT/SIGTERM: exit 0, log written, shm cleaned.
     (A one-model repository: the packaged one is served by the module's server above.)"""
     repo = tmp_path / "repo"
     (repo / "echo" / "1").mkdir(parents=True)
@@ -292,7 +310,7 @@ def test_serve_command_stops_cleanly_on_sigint(tmp_path):
         tensor.set_data_from_numpy(np.array([1, 2, 3], dtype=np.int32))
         assert client.infer("echo", [tensor]).as_numpy("OUT").tolist() == [1, 2, 3]
         assert shm_regions(f"{SHM_PREFIX}specdeploy_{proc.pid}_")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:

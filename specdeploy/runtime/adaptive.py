@@ -39,9 +39,12 @@ class AdaptiveDraftLength:
         self.max_backoff = max_backoff
         # a couple of plain steps first: they measure the speed speculation has to beat
         self.plain_left = warmup_plain_steps if adaptive else 0
-        self.misses = 0
+        self.misses = 0  # rounds in a row without an accepted token (kept across probes)
         self.plain_rate: float | None = None  # tokens/s of plain decoding steps
         self.spec_rate: float | None = None  # tokens/s of speculative rounds since the last probe
+        # the first speculative round also pays for the proposer's own prefill (a draft model
+        # reads the whole prompt): its time says nothing about the rounds after it
+        self.first_round = True
 
     def next_length(self) -> int:
         """Draft tokens to ask for this round; 0 means one plain decoding step."""
@@ -57,13 +60,15 @@ class AdaptiveDraftLength:
         if proposed == 0:
             self.plain_rate = _mix(self.plain_rate, 1.0 / max(seconds, 1e-9))
             return
-        self.spec_rate = _mix(self.spec_rate, (accepted + 1) / max(seconds, 1e-9))
+        if not self.first_round:
+            self.spec_rate = _mix(self.spec_rate, (accepted + 1) / max(seconds, 1e-9))
+        self.first_round = False
         self.misses = self.misses + 1 if accepted == 0 else 0
         if accepted == proposed:
             self.length = min(self.max_len, self.length + 2)
         else:
             self.length = max(1, self.length - 1)
-        slower = self.plain_rate is not None and self.spec_rate < self.plain_rate
+        slower = None not in (self.plain_rate, self.spec_rate) and self.spec_rate < self.plain_rate
         if slower or self.misses >= self.patience:
             self._fall_back()
         elif self.plain_rate is not None:
@@ -72,7 +77,6 @@ class AdaptiveDraftLength:
     def _fall_back(self) -> None:
         self.plain_left = self.backoff
         self.backoff = min(2 * self.backoff, self.max_backoff)
-        self.misses = 0
         self.spec_rate = None  # the next probe is judged on its own
 
 

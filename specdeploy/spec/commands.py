@@ -84,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument("--depth", type=int, default=5, help="EAGLE dynamic tree depth")
     val.add_argument("--topk", type=int, default=3, help="EAGLE dynamic tree children per node")
     val.add_argument("--width", type=int, default=3, help="EAGLE dynamic tree nodes expanded per depth")
+    val.add_argument("--budget", type=int, default=10, help="EAGLE dynamic tree nodes kept (verified) per round")
     val.add_argument("--speedup", action="store_true", help="also time plain decoding, interleaved per prompt")
     val.add_argument("--ar-lower-bound", type=float, help="fail when the mean acceptance length is below this")
     val.add_argument("--json", help="write the results to this file")
@@ -115,7 +116,7 @@ def _proposer_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     if args.choices:
         options["choices"] = parse_choices(args.choices, f"{kind}_choices")
     if kind == "eagle":
-        options.update(mode=args.tree, depth=args.depth, topk=args.topk, width=args.width)
+        options.update(mode=args.tree, depth=args.depth, topk=args.topk, width=args.width, budget=args.budget)
         if args.draft_len and args.tree == "chain":
             options["chain_len"] = args.draft_len
     return options

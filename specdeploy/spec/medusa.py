@@ -47,17 +47,27 @@ def sample_ids(valid: torch.Tensor) -> torch.Tensor:
 
 
 def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int) -> tuple[torch.Tensor, list[float]]:
-    """batch: positions (P,), and the whole data's tokens/valid/sample ids/hidden."""
+    """batch: positions (P,), and the whole data's tokens/valid/sample ids/hidden; optionally
+    vocab_ids, the tokens the runtime ranks: logits and loss over those rows only (~6x cheaper
+    than 49k rows, and the same ranking the proposer uses)."""
     pos = batch["positions"]
     h = batch["hidden"][last_layer][pos].float()
     tokens, sid = batch["tokens"], batch["sample_ids"]
+    vocab = batch.get("vocab_ids")
+    index = None
+    if vocab is not None:  # target id -> row in the reduced vocabulary (-100: not draftable)
+        index = torch.full((int(tokens.max()) + 1,), -100, dtype=torch.long)
+        index[vocab[vocab <= tokens.max()]] = torch.nonzero(vocab <= tokens.max()).squeeze(1)
     loss = h.new_zeros(())
     accs = []
     for i, head in enumerate(model.medusa_heads):
         target_pos = (pos + 2 + i).clamp(max=len(tokens) - 1)
         ok = (sid[target_pos] == sid[pos]) & (pos + 2 + i < len(tokens))
-        logits = head(h).float()
-        ce = torch.nn.functional.cross_entropy(logits, tokens[target_pos], reduction="none")
+        weight = head[-1].weight if vocab is None else head[-1].weight[vocab]
+        logits = (head[:-1](h) @ weight.T).float()
+        target = tokens[target_pos] if index is None else index[tokens[target_pos]]
+        ok = ok & (target >= 0)
+        ce = torch.nn.functional.cross_entropy(logits, target.clamp(min=0), reduction="none")
         loss = loss + (ce * ok).sum() / ok.sum().clamp(min=1) * DECAY**i
-        accs.append(float(((logits.argmax(-1) == tokens[target_pos]) & ok).sum() / ok.sum().clamp(min=1)))
+        accs.append(float(((logits.argmax(-1) == target) & ok).sum() / ok.sum().clamp(min=1)))
     return loss, accs

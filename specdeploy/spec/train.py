@@ -8,7 +8,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +89,12 @@ def _modelopt_config(settings: TrainSettings, base_config: Any, offline: bool) -
     )
 
 
-def _batch(data: DistillData, settings: TrainSettings, gen: torch.Generator, sample_ids: torch.Tensor | None) -> dict:
+def _batch(data: DistillData, settings: TrainSettings, gen: torch.Generator, extra: dict) -> dict:
     n = len(data.tokens)
     if settings.kind == "medusa":
         valid_pos = data.valid.nonzero().squeeze(1)
         pick = valid_pos[torch.randint(len(valid_pos), (settings.batch_size * settings.window,), generator=gen)]
-        return {"positions": pick, "tokens": data.tokens, "hidden": data.hidden, "sample_ids": sample_ids}
+        return {"positions": pick, "tokens": data.tokens, "hidden": data.hidden, **extra}
     window = min(settings.window, n)
     starts = torch.randint(0, n - window + 1, (settings.batch_size,), generator=gen).tolist()
     rows = [slice(s, s + window) for s in starts]
@@ -152,8 +152,6 @@ def train(base_dir: str | Path, out_dir: str | Path, settings: TrainSettings, ck
 
     stop_at: end this invocation after that many steps (checkpointed), as an interruption would.
     """
-    from tqdm import tqdm
-
     settings.validate()
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     num_layers = json.loads((base_dir / "config.json").read_text())["num_hidden_layers"]
@@ -170,35 +168,46 @@ def train(base_dir: str | Path, out_dir: str | Path, settings: TrainSettings, ck
         params = eagle_spec.trainable(model)
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     ckpt = Path(ckpt_dir) if ckpt_dir else None
+    fixed = {}
+    if settings.kind == "medusa":
+        fixed = {"sample_ids": medusa_spec.sample_ids(data.valid), "vocab_ids": torch.tensor(extra["draft_vocab_ids"])}
+    steps, seconds, history = _loop(model, optimizer, params, data, settings, num_layers, ckpt, stop_at, fixed)
+    stats = _stats(history, steps, seconds, data, settings)
+    _write_spec(model, out_dir, settings, online_config, extra, stats, base_dir)
+    return stats
+
+
+def _loop(model: Any, optimizer: Any, params: list, data: DistillData, settings: TrainSettings, num_layers: int,
+          ckpt: Path | None, stop_at: int | None, fixed: dict) -> tuple[int, float, list]:
+    """The optimisation steps, resumed from and saved to `ckpt`: (steps done, seconds, history)."""
+    from tqdm import tqdm
+
     start, history, elapsed = _resume(model, optimizer, settings, ckpt)
-    sample_ids = medusa_spec.sample_ids(data.valid) if settings.kind == "medusa" else None
+    began = time.time() - elapsed  # a time budget spans every invocation of a resumed run
     bar = tqdm(range(start, settings.steps), desc=f"train {settings.kind}", unit="step", initial=start, total=settings.steps)
-    began = time.time() - elapsed
     step = start
     for step in bar:
         gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # resumable data order
         for group in optimizer.param_groups:
             group["lr"] = _lr(settings, step, time.time() - began)
-        loss, accs = _step(model, settings, _batch(data, settings, gen, sample_ids), num_layers)
+        loss, accs = _step(model, settings, _batch(data, settings, gen, fixed), num_layers)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         history.append({"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(a, 3) for a in accs]})
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc="/".join(f"{a:.2f}" for a in accs))
-        out_of_time = bool(settings.time_budget_s and time.time() - began >= settings.time_budget_s)
-        out_of_time = out_of_time or (stop_at is not None and step + 1 >= stop_at)
-        if ckpt and ((step + 1) % settings.checkpoint_every == 0 or out_of_time):
+        stop = bool(settings.time_budget_s and time.time() - began >= settings.time_budget_s)
+        stop = stop or (stop_at is not None and step + 1 >= stop_at)
+        if ckpt and ((step + 1) % settings.checkpoint_every == 0 or stop):
             _checkpoint(model, optimizer, settings, ckpt, step + 1, history, time.time() - began)
-        if out_of_time:
+        if stop:
             step += 1
             break
     else:
         step = settings.steps
     bar.close()
-    stats = _stats(history, step, time.time() - began, data, settings)
-    _write_spec(model, out_dir, settings, online_config, extra, stats, base_dir)
-    return stats
+    return step, time.time() - began, history
 
 
 def _ckpt_state(settings: TrainSettings) -> dict[str, Any]:

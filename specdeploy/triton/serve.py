@@ -12,6 +12,7 @@ with `with TritonServer(repo) as server: server.http_url ...`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import os
 import shutil
@@ -86,6 +87,15 @@ def server_env(base: dict[str, str] | None = None, threads: int | None = None) -
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
     return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started the server dies, so a
+    killed test or client never leaves an orphan tritonserver (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass
 
 
 def shm_regions(prefix: str = SHM_PREFIX) -> set[str]:
@@ -176,6 +186,7 @@ class TritonServer:
         self.process = subprocess.Popen(
             self.command(backends), stdout=self._log_file, stderr=subprocess.STDOUT,
             env=server_env(threads=self.threads), start_new_session=True,  # its own group: stop() reaches the stubs
+            preexec_fn=_die_with_parent,
         )
         try:
             self.wait_ready()

@@ -45,11 +45,13 @@ class EagleProposer(Proposer):
     def __init__(
         self, module: Any, embed: Any, lm_head: Any, hidden_layers: tuple[int, ...], *, mode: str = "dynamic",
         choices: ChoicesTree | None = None, depth: int = 5, topk: int = 3, width: int = 3, chain_len: int = 4,
+        budget: int = 10,
     ) -> None:
         self.module, self.embed, self.lm_head = module, embed, lm_head
         self.hidden_layers = hidden_layers
         self.mode, self.choices = mode, choices
         self.depth, self.topk, self.width, self.chain_len = depth, topk, width, chain_len
+        self.budget = budget  # dynamic tree: nodes kept (bf16 verify of <= ~10 tokens ~ one decode step here)
         self.kind = "chain" if mode == "chain" else "tree"
         self.d2t = getattr(module, "d2t", None)
         self.dtype = next(module.parameters()).dtype
@@ -138,7 +140,7 @@ class EagleProposer(Proposer):
             elif self.mode == "static":
                 nodes, keep = self._static(root_logp, root_h, base_pos, max_tokens)
             else:
-                nodes, keep = self._dynamic(root_logp, root_h, base_pos, max_tokens)
+                nodes, keep = self._dynamic(root_logp, root_h, base_pos, min(max_tokens, self.budget))
         finally:
             self.cache.crop(self.cache_len)  # draft entries never outlive the round
         return self._tree(nodes, keep)
@@ -220,12 +222,12 @@ def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: i
 def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None, mode: str | None = None,
     choices: list[list[int]] | str | None = None, depth: int = 5, topk: int = 3, width: int = 3,
-    chain_len: int = 4, max_depth: int = MAX_DEPTH, max_draft_len: int | None = None,
+    chain_len: int = 4, budget: int = 10, max_depth: int = MAX_DEPTH, max_draft_len: int | None = None,
     draft_vocab: int | None = None, seed: int = 0, **_: Any,
 ) -> EagleProposer:
     """An EAGLE proposer from a spec/ folder (trained) or a fresh module (tests).
 
-    mode chain | static (choices: eagle_choices) | dynamic (EAGLE-2: depth, topk, width); by
+    mode chain | static (choices: eagle_choices) | dynamic (EAGLE-2: depth, topk, width, budget); by
     default static when choices are given, else dynamic. `path` is an alias of spec_dir (the
     deployment.json spirit: {"kind", "path", "choices", ...}).
     """
@@ -233,7 +235,7 @@ def build(
     mode = mode or ("static" if choices is not None else "dynamic")
     if mode not in MODES:
         raise SpecDeployError(f"unknown EAGLE tree mode '{mode}'", hint=f"use one of: {', '.join(MODES)}")
-    for name, value in (("depth", depth), ("topk", topk), ("width", width), ("chain_len", chain_len)):
+    for name, value in (("depth", depth), ("topk", topk), ("width", width), ("chain_len", chain_len), ("budget", budget)):
         if value <= 0:
             raise SpecDeployError(f"EAGLE {name} must be positive, got {value}", hint=f"pass a positive {name}")
     if depth > max_depth or chain_len > max_depth:
@@ -248,5 +250,5 @@ def build(
     lm_head = module.lm_head if hasattr(module, "lm_head") else target.get_output_embeddings()
     return EagleProposer(
         module, target.get_input_embeddings(), lm_head, layers, mode=mode, choices=tree,
-        depth=depth, topk=topk, width=width, chain_len=chain_len,
+        depth=depth, topk=topk, width=width, chain_len=chain_len, budget=budget,
     )
