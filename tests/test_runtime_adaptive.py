@@ -59,3 +59,14 @@ def test_fixed_length_never_adapts():
     for _ in range(10):
         assert control.next_length() == 5
         control.record(accepted=0, proposed=5, seconds=10.0)
+
+
+def test_untimed_adapts_on_acceptance_only():
+    """Seeded sampling: the schedule must not depend on how long rounds took."""
+    control = AdaptiveDraftLength(8, timed=False, patience=2, backoff=3)
+    assert control.next_length() == 4  # no plain warm-up: there is nothing to measure
+    control.record(accepted=4, proposed=4, seconds=100.0)  # slow, but timing is ignored
+    assert control.next_length() == 6
+    control.record(accepted=0, proposed=6, seconds=0.0)
+    control.record(accepted=0, proposed=5, seconds=0.0)  # two misses: plain for a while
+    assert [control.next_length() for _ in range(4)] == [0, 0, 0, 4]

@@ -168,3 +168,16 @@ def test_choices_errors_surface_at_construction(target, kind, options, message):
     with pytest.raises(SpecDeployError) as err:
         build_proposer(kind, target, **options)
     assert message in str(err.value)
+
+
+def test_medusa_reduced_vocabulary_proposes_only_inside_it(target):
+    from specdeploy.runtime.proposers.medusa import MedusaProposer
+
+    full = build_proposer("medusa", target, choices=[[0], [1], [0, 0], [0, 0, 0]])
+    vocab = torch.arange(0, 384, 3)
+    reduced = MedusaProposer(full.heads, full.choices, vocab)
+    state = _full_state(target, torch.tensor([PROMPTS[0]]), (-1,))
+    tree = reduced.propose(state, 8)
+    assert len(tree) == 4 and set(tree.tokens.tolist()) <= set(vocab.tolist())
+    params = SamplingParams(max_new_tokens=20)
+    assert generate(target, PROMPTS[0], params, reduced, adaptive=False).token_ids == generate(target, PROMPTS[0], params).token_ids

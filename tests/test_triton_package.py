@@ -121,7 +121,7 @@ def test_engine_config_carries_tree_and_decoding_mode(base_build, tmp_path, spec
     trt = load_repo(out / "engine")["tensorrt_llm"]
     assert param(trt, "decoding_mode") == spec
     assert validate_choices(param(trt, f"{spec}_choices")).to_list() == validate_choices(TREE).to_list()
-    assert param(trt, "gpt_model_path") == str((out.parent / "engines").resolve())
+    assert param(trt, "gpt_model_path") == str((out.parent / "engines" / "target").resolve())
     assert param(trt, "kv_cache_free_gpu_mem_fraction") == "0.85"
     assert param(trt, "gpt_model_type") == "inflight_fused_batching"
     assert trt.model_transaction_policy.decoupled and trt.max_batch_size == 64
@@ -168,7 +168,7 @@ def test_draft_target_goes_through_bls(base_build, tmp_path, tiny_llama_dir):
     assert param(engine["tensorrt_llm"], "gpt_model_path").endswith("engines/target")
     assert param(engine["tensorrt_llm"], "enable_kv_cache_reuse") == "true"
     spec = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
-    assert spec["decoding_type"] == "DraftTarget" and spec["speculative_model"] == str(tiny_llama_dir.resolve())
+    assert spec["decoding_type"] == "DraftTarget" and spec["speculative_model_dir"] == str(tiny_llama_dir.resolve())
 
 
 def test_cpu_deployment_json_is_what_load_decoder_reads(base_build, tmp_path, tiny_llama_dir):
@@ -234,7 +234,7 @@ def test_tree_defaults_to_the_one_the_spec_stage_recorded(base_build, tmp_path):
     deployment = json.loads((out / "cpu" / "tensorrt_llm" / "1" / "deployment.json").read_text())
     assert deployment["spec"]["choices"] == validate_choices(TREE).to_list() and deployment["spec"]["path"] == "../../../../spec"
     spec = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
-    assert spec["speculative_model"] == str(root.resolve() / "spec" / "eagle3_export")
+    assert spec["speculative_model_dir"] == str(root.resolve() / "spec" / "eagle3_export")
 
 
 def test_no_stream_makes_gpu_configs_non_decoupled_but_cpu_stays_streaming(base_build, tmp_path):

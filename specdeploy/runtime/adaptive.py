@@ -9,6 +9,10 @@ Two signals, both cheap:
   CPU (shared/facts.md), so acceptance alone cannot say whether speculation is winning.
 When speculation loses, the request decodes plainly for a while and then probes again with
 one round; each failed probe doubles the wait, so a hopeless proposer costs a handful of rounds.
+
+Timing makes the draft schedule, and with it the order of random draws, depend on the machine's
+load. A seeded sampled request must be reproducible, so it adapts on acceptance only (`timed`
+False); greedy output is exact whatever the schedule.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class AdaptiveDraftLength:
         max_len: int,
         *,
         adaptive: bool = True,
+        timed: bool = True,
         start: int = 4,
         patience: int = 3,
         backoff: int = 8,
@@ -32,13 +37,14 @@ class AdaptiveDraftLength:
     ) -> None:
         self.max_len = max_len
         self.adaptive = adaptive
+        self.timed = timed
         self.length = max_len if not adaptive else max(1, min(start, max_len))
         self.patience = patience
         self.min_backoff = backoff
         self.backoff = backoff
         self.max_backoff = max_backoff
         # a couple of plain steps first: they measure the speed speculation has to beat
-        self.plain_left = warmup_plain_steps if adaptive else 0
+        self.plain_left = warmup_plain_steps if adaptive and timed else 0
         self.misses = 0  # rounds in a row without an accepted token (kept across probes)
         self.plain_rate: float | None = None  # tokens/s of plain decoding steps
         self.spec_rate: float | None = None  # tokens/s of speculative rounds since the last probe
@@ -58,9 +64,10 @@ class AdaptiveDraftLength:
         if not self.adaptive:
             return
         if proposed == 0:
-            self.plain_rate = _mix(self.plain_rate, 1.0 / max(seconds, 1e-9))
+            if self.timed:
+                self.plain_rate = _mix(self.plain_rate, 1.0 / max(seconds, 1e-9))
             return
-        if not self.first_round:
+        if self.timed and not self.first_round:
             self.spec_rate = _mix(self.spec_rate, (accepted + 1) / max(seconds, 1e-9))
         self.first_round = False
         self.misses = self.misses + 1 if accepted == 0 else 0
@@ -71,8 +78,8 @@ class AdaptiveDraftLength:
         slower = None not in (self.plain_rate, self.spec_rate) and self.spec_rate < self.plain_rate
         if slower or self.misses >= self.patience:
             self._fall_back()
-        elif self.plain_rate is not None:
-            self.backoff = self.min_backoff  # speculation is winning again
+        elif accepted > 0:
+            self.backoff = self.min_backoff  # speculation is paying again
 
     def _fall_back(self) -> None:
         self.plain_left = self.backoff

@@ -209,7 +209,9 @@ def generate(
         raise SpecDeployError("stop strings need the tokenizer", hint="pass decode=tokenizer.decode")
     chain = proposer is None or proposer.kind == "chain"
     max_draft = draft_len or (DEFAULT_DRAFT_LEN if chain else DEFAULT_TREE_SIZE)
-    controller = AdaptiveDraftLength(max_draft, adaptive=adaptive and proposer is not None)
+    # seeded sampling must not depend on timing (see adaptive.py); greedy output cannot
+    timed = params.greedy or params.seed is None
+    controller = AdaptiveDraftLength(max_draft, adaptive=adaptive and proposer is not None, timed=timed)
     hidden_layers = proposer.hidden_layers if proposer else ()
     generator = make_generator(params.seed)
     stop_ids = eos_token_ids(target) | set(params.stop_token_ids)

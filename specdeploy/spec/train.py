@@ -107,7 +107,7 @@ def _batch(data: DistillData, settings: TrainSettings, gen: torch.Generator, ext
 
 def _lr(settings: TrainSettings, step: int, elapsed: float = 0.0) -> float:
     """Warmup, then cosine to 10%; a time-budgeted run anneals by whichever ends first."""
-    warmup = max(1, settings.steps // 20)
+    warmup = min(max(1, settings.steps // 20), 20)  # short: a time budget may stop long before `steps`
     if step < warmup:
         return settings.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, settings.steps - warmup)

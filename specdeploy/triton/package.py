@@ -40,7 +40,6 @@ _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 # decoding_mode of the tensorrtllm backend per spec kind (draft-target is driven by BLS instead)
 _DECODING_MODE = {"medusa": "medusa", "eagle": "eagle"}
 # TRT-LLM >= 1.2 (PyTorch backend) speculative_config.decoding_type; Medusa is not supported there
-_LLMAPI_DECODING = {"eagle": "Eagle3", "draft": "DraftTarget", "ngram": "NGram"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +164,7 @@ def write_engine_repo(
     max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool,
 ) -> dict[str, Any]:
     """The inflight_batcher_llm set for the C++ tensorrtllm backend; returns the values used."""
-    target = engines / "target" if kind == "draft" else engines
+    target = engines / "target"  # the build stage writes engines/target (+ engines/draft)
     values = {
         **_common(tokenizer_dir, max_batch_size, decoupled),
         "triton_backend": "tensorrtllm",
@@ -189,18 +188,16 @@ def write_engine_repo(
 
 
 def llmapi_speculative_yaml(kind: str, spec_dir: Path, draft_model_dir: Path | None, max_draft_len: int) -> str:
-    """model.yaml's speculative_config block (TRT-LLM >= 1.2 LLM API), '' without speculation."""
-    if kind not in _LLMAPI_DECODING:
+    """model.yaml's speculative_config block (TRT-LLM >= 1.2 LLM API), '' without speculation.
+    The mapping itself comes from the convert stage's LLM-API route, so both write the same."""
+    from specdeploy.trtllm.llmapi import DECODING_TYPES, speculative_config
+
+    if kind not in DECODING_TYPES:
         return ""
-    lines = ["speculative_config:", f"  decoding_type: {_LLMAPI_DECODING[kind]}", f"  max_draft_len: {max_draft_len}"]
-    if kind == "ngram":
-        lines.append("  max_matching_ngram_size: 3")
-    elif kind == "draft":
-        lines.append(f"  speculative_model: {draft_model_dir}")
-    else:  # the spec stage's EAGLE-3 draft folder (ModelOpt export_speculative_decoding)
-        export = spec_dir / "eagle3_export"
-        lines.append(f"  speculative_model: {export if export.exists() else spec_dir}")
-    return "\n".join(lines)
+    # EAGLE-3: the draft folder ModelOpt's export_speculative_decoding wrote in the spec stage
+    draft = {"draft": draft_model_dir, "eagle": spec_dir / "eagle3_export"}.get(kind)
+    config = speculative_config(kind, max_draft_len, draft)
+    return "\n".join(["speculative_config:"] + [f"  {key}: {value}" for key, value in config.items()])
 
 
 def write_llmapi_repo(
@@ -333,8 +330,8 @@ def _templates_digest() -> str:
 
 
 def _readme(kind: str) -> str:
-    llmapi = ("speculative_config set" if kind in _LLMAPI_DECODING
-              else f"no speculative_config: TRT-LLM >= 1.2 does not support '{kind}'")
+    llmapi = ("speculative_config set" if kind in ("eagle", "draft", "ngram") else "no speculative_config: "
+              + ("no speculation asked" if kind == "none" else f"TRT-LLM >= 1.2 does not support '{kind}'"))
     return (
         "# Triton model repositories (written by `specdeploy package`)\n\n"
         "- `cpu/`: served here by `specdeploy serve` (Python backend, specdeploy runtime).\n"
