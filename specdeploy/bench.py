@@ -142,12 +142,17 @@ def _record(bench: Bench, index: int, ids: list[int], runs: dict[str, Run]) -> d
     }
 
 
-def run_bench(bench: Bench, prompts: list[list[int]], methods: list[str], *, log: Callable[[str], None] = print) -> dict:
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_bench(bench: Bench, prompts: list[list[int]], methods: list[str], *, log: Callable[[str], None] = _log) -> dict:
     """Run every method on every prompt (interleaved); per-prompt records and per-method summary.
     Autoregressive decoding ("ar") always runs: every speed-up and match is relative to it."""
     methods = methods if "ar" in methods else ["ar", *methods]
     runners = {m: bench.runner(m) for m in methods}
-    for run in runners.values():  # first calls pay for allocation and lazy imports
+    for method, run in runners.items():  # first calls pay for allocation and lazy imports
+        log(f"warm-up: {method}")
         run(prompts[0][:16])
     records = []
     for i, ids in enumerate(prompts):

@@ -91,7 +91,7 @@ def wrong_accept(p, q, token):
     return 1.0 if q is None else min(1.0, 2 * float(p[token]) / float(q[token]))
 
 
-N_TOY = 6000
+N_TOY = 4000
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
@@ -133,7 +133,7 @@ def tiny_expected(target, prompt: list[int], length: int) -> dict[tuple, float]:
 def test_tiny_llama_sampling_follows_target(target, draft, tokenizer):
     prompt = tokenizer("The quick brown fox")["input_ids"]
     proposer = build_proposer("draft", target, draft_model=draft)
-    n = 1500
+    n = 1000
     counts: Counter = Counter()
     for seed in range(n):
         result = generate(target, prompt, TINY.__class__(**{**TINY.__dict__, "seed": seed}), proposer, draft_len=3, adaptive=False)

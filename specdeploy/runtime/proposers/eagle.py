@@ -47,7 +47,8 @@ class EagleProposer(Proposer):
         choices: ChoicesTree | None = None, depth: int = 5, topk: int = 3, width: int = 3, chain_len: int = 4,
         budget: int = 10,
     ) -> None:
-        self.module, self.embed, self.lm_head = module, embed, lm_head
+        self.module, self.embed = module, embed
+        self._target_head = None if hasattr(module, "lm_head") else lm_head
         self.hidden_layers = hidden_layers
         self.mode, self.choices = mode, choices
         self.depth, self.topk, self.width, self.chain_len = depth, topk, width, chain_len
@@ -74,6 +75,11 @@ class EagleProposer(Proposer):
             position_ids=positions[None], past_key_values=self.cache, use_cache=True,
         )
         return torch.log_softmax(self.lm_head(post)[0].float(), dim=-1), pre[0]
+
+    @property
+    def lm_head(self) -> Any:
+        """Looked up on each call: the quantize stage may swap the module's Linears in place."""
+        return self.module.lm_head if self._target_head is None else self._target_head
 
     def _ingest(self, state: TargetState) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Feed the newly consumed positions; the draft log-probs/feature after the pending token."""

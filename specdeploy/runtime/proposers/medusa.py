@@ -27,7 +27,9 @@ class MedusaProposer(Proposer):
         each head's 49k-row projection is the draft's main cost on a CPU; a subset is ~6x cheaper."""
         self.heads = heads
         self.vocab_ids = vocab_ids
-        self.projections = [head[-1].weight if vocab_ids is None else head[-1].weight[vocab_ids] for head in heads]
+        # reduced rows are sliced once; the full projection is called as a module each time
+        # (the quantize stage may swap it for a fake-quantized Linear)
+        self.projections = [None if vocab_ids is None else head[-1].weight[vocab_ids] for head in heads]
         self.choices = choices
         self.parents = choices.parents()
         depth = choices.depth
@@ -41,8 +43,9 @@ class MedusaProposer(Proposer):
         h = state.hidden[-1][0, -1:]  # (1, H): the last consumed position
         top = []
         for head, weight, k in zip(self.heads, self.projections, self.topk):
-            features = head[:-1](h.to(weight.dtype))  # the ResBlocks
-            ids = (features @ weight.T)[0].topk(k).indices
+            features = head[:-1](h.to(head[-1].weight.dtype))  # the ResBlocks
+            logits = head[-1](features) if weight is None else features @ weight.T
+            ids = logits[0].topk(k).indices
             top.append(ids if self.vocab_ids is None else self.vocab_ids[ids])
         paths = self.choices.paths[:max_tokens]  # sorted by depth: any prefix is a valid tree
         tokens = torch.stack([top[len(p) - 1][p[-1]] for p in paths]).long()
