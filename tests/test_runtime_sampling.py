@@ -17,8 +17,8 @@ import torch
 from specdeploy.runtime import verify
 from specdeploy.runtime.decoding import eos_token_ids, generate
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.sampling import make_generator, warp
-from specdeploy.runtime.types import DraftTree, SamplingParams
+from specdeploy.runtime.sampling import make_generator, sample, warp
+from specdeploy.runtime.types import DraftTree, Proposer, SamplingParams
 from tests.test_runtime_helpers import draft, one_thread, target, tokenizer  # noqa: F401
 
 V = 5
@@ -108,7 +108,7 @@ def test_toy_check_fails_with_wrong_rule(shape, rule, monkeypatch):
 
 # ------------------------------------------------------------------ the tiny Llama end to end
 
-TINY = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=4)
+TINY = SamplingParams(temperature=1.0, top_k=2)
 
 
 def tiny_expected(target, prompt: list[int], length: int) -> dict[tuple, float]:
@@ -130,16 +130,50 @@ def tiny_expected(target, prompt: list[int], length: int) -> dict[tuple, float]:
     return expected
 
 
-def test_tiny_llama_sampling_follows_target(target, draft, tokenizer):
-    prompt = tokenizer("The quick brown fox")["input_ids"]
-    proposer = build_proposer("draft", target, draft_model=draft)
-    n = 1000
+class FlippedDraft(Proposer):
+    """The target's own top-2 with its preference reversed: q shares p's support but is far from it,
+    so rejections are frequent and a wrong residual shows."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def propose(self, state, max_tokens):
+        seq, tokens, probs = state.tokens[0].tolist(), [], []
+        for _ in range(max_tokens):
+            with torch.inference_mode():
+                p = warp(self.model(input_ids=torch.tensor([seq])).logits[0, -1], TINY)
+            top = p.topk(2).indices
+            q = torch.zeros_like(p)
+            q[top] = p[top.flip(0)]
+            tokens.append(sample(q, state.generator))
+            probs.append(q)
+            seq.append(tokens[-1])
+        return DraftTree.chain(torch.tensor(tokens), torch.stack(probs))
+
+
+def tiny_counts(target, prompt: list[int], proposer, n: int) -> Counter:
     counts: Counter = Counter()
     for seed in range(n):
-        result = generate(target, prompt, TINY.__class__(**{**TINY.__dict__, "seed": seed}), proposer, draft_len=3, adaptive=False)
+        params = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=4, seed=seed)
+        result = generate(target, prompt, params, proposer, draft_len=3, adaptive=False)
+        assert result.metrics.draft_tokens > 0
         counts[tuple(result.token_ids[:3])] += 1
-    assert result.metrics.draft_tokens > 0
-    assert chi_square_ok(counts, tiny_expected(target, prompt, 3), n)
+    return counts
+
+
+def test_tiny_llama_draft_sampling_follows_target(target, draft, tokenizer):
+    prompt = tokenizer("The quick brown fox")["input_ids"]
+    counts = tiny_counts(target, prompt, build_proposer("draft", target, draft_model=draft), 500)
+    assert chi_square_ok(counts, tiny_expected(target, prompt, 3), 500)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_tiny_llama_rejection_sampling(target, tokenizer, monkeypatch, wrong):
+    prompt = tokenizer("The quick brown fox")["input_ids"]
+    if wrong:
+        monkeypatch.setattr(verify, "residual", wrong_residual)
+    counts = tiny_counts(target, prompt, FlippedDraft(target), 800)
+    assert chi_square_ok(counts, tiny_expected(target, prompt, 3), 800) != wrong
 
 
 def test_seed_reproduces(target, draft, tokenizer):

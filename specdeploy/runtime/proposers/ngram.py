@@ -4,8 +4,6 @@ propose what followed them then. Free to run, strong on code and on answers quot
 
 from __future__ import annotations
 
-import torch
-
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.types import DraftTree, Proposer, TargetState
 
