@@ -211,10 +211,14 @@ def print_table(summary: dict[str, dict], title: str) -> None:
     Console().print(table)
 
 
-def load_prompts(source: str, n: int, tokenizer: Any, chat: bool) -> list[list[int]]:
+def prompt_texts(source: str, n: int) -> list[str]:
     from specdeploy import data
 
-    texts = data.humaneval_prompts(n) if source == "humaneval" else data.sharegpt_prompts(n, "heldout", max_chars=2000)
+    return data.humaneval_prompts(n) if source == "humaneval" else data.sharegpt_prompts(n, "heldout", max_chars=2000)
+
+
+def load_prompts(source: str, n: int, tokenizer: Any, chat: bool) -> list[list[int]]:
+    texts = prompt_texts(source, n)
     if chat and getattr(tokenizer, "chat_template", None):
         texts = [
             tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
@@ -241,12 +245,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--build-root", default="build", help="results go to <build-root>/bench/ unless --out")
     parser.add_argument("--out", help="JSON results path")
+    parser.add_argument("--served", metavar="BUILD_DIR",
+                        help="instead: the packaged deployment of BUILD_DIR served by tritonserver (gRPC streaming) "
+                             "vs the same deployment in-process, same prompts and thread count")
+
+
+def bench_served(args: argparse.Namespace) -> int:
+    """Served rows: is Triton adding overhead to the runtime? (tokens/s, time to first token)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdeploy.triton.measure import compare_served_inprocess
+
+    build_dir = Path(args.served)
+    repo = build_dir / "triton_repo" / "cpu"
+    result = compare_served_inprocess(repo, prompt_texts(args.prompts, args.num_prompts), args.max_new_tokens, threads=args.threads)
+    result["machine"] = {"cpu_count": os.cpu_count(), "loadavg_after": os.getloadavg()}
+    out = Path(args.out) if args.out else Path(args.build_root) / "bench" / f"served-{build_dir.name}.json"
+    atomic_write_json(out, result)
+    table = Table(title=f"{build_dir.name}: served vs in-process, {args.num_prompts} {args.prompts} prompts, {args.threads} thread(s)")
+    for column in ("row", "tok/s", "ttft median s", "latency median s"):
+        table.add_column(column)
+    for row in ("served", "inprocess"):
+        r = result[row]
+        table.add_row(row, f"{r['tokens_per_s']:.2f}", f"{r['ttft_median_s']:.3f}", f"{r['latency_median_s']:.3f}")
+    Console().print(table)
+    print(f"served / in-process tokens/s: {result['served_over_inprocess']:.2f}   results: {out}")
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     from specdeploy.models import resolve_model_dir
     from specdeploy.runtime.deployment import load_model
 
+    if args.served:
+        return bench_served(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     spec_dirs = dict(item.split("=", 1) for item in args.spec_dir)
     torch.set_num_threads(args.threads)

@@ -104,3 +104,17 @@ def test_loadtest_concurrent_streams_equal_solo_runs(engine_build):
     result = json.loads((engine_build.path("loadtest") / "loadtest.json").read_text())
     assert result["requests"] == 8 and result["num_errors"] == 0 and result["mismatches"] == 0
     assert result["latency_s"]["p50"] > 0
+
+
+@pytest.mark.server
+def test_bench_served_rows(engine_build, tmp_path):
+    out = tmp_path / "served.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "specdeploy", "bench", "--served", str(engine_build.root), "--prompts", "sharegpt",
+         "--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["served"]["new_tokens"] == result["inprocess"]["new_tokens"] > 0  # same work on both sides
+    assert result["served_over_inprocess"] > 0 and result["served"]["ttft_median_s"] > 0
