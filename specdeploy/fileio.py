@@ -41,3 +41,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def load_safetensors_dir(path: str | os.PathLike, hint: str) -> dict[str, Any]:
+    """Every tensor of every *.safetensors file in a folder (an HF checkpoint, sharded or not)."""
+    from safetensors.torch import load_file
+
+    from specdeploy.errors import SpecDeployError
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise SpecDeployError(f"no *.safetensors in {path}", hint=hint)
+    tensors: dict[str, Any] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors

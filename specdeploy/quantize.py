@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, atomic_write_text
+from specdeploy.fileio import atomic_write_json, atomic_write_text, load_safetensors_dir
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 
 STAGE = "quantize"
@@ -343,18 +343,6 @@ def attach_kv_quant(attention: nn.Module, fmt: str, k_scale: torch.Tensor, v_sca
     attention.config._attn_implementation = KV_ATTENTION
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SpecDeployError(f"no *.safetensors in {path}", hint="rerun `specdeploy quantize`")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 def _empty_model(path: Path, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -415,7 +403,7 @@ def load_quantized(path: str | os.PathLike, dtype: str = "float32") -> nn.Module
     if not isinstance(torch_dtype, torch.dtype):
         raise SpecDeployError(f"unknown dtype '{dtype}'", hint="use float32, bfloat16 or float16")
     model = _empty_model(path, torch_dtype)
-    tensors = _read_tensors(path)
+    tensors = load_safetensors_dir(path, hint="rerun `specdeploy quantize`")
     apply_quantized_tensors(model, tensors, quant)
     expected = model.state_dict()
     unknown = sorted(set(tensors) - set(expected))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import load_safetensors_dir
 
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 # ModelOpt hf_quant_config.json quant_algo -> TRT-LLM QuantAlgo (they share the names; listed to
@@ -115,18 +116,6 @@ def read_quant(path: Path) -> Quant:
     return Quant(algo, kv, int(q.get("group_size") or 128), list(q.get("exclude_modules") or []))
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SpecDeployError(f"no *.safetensors in {path}", hint="convert takes an HF safetensors folder (the resolve or quantize stage output)")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 def _dtype_name(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
     name = config.get("dtype") or config.get("torch_dtype")
     if name in ("float32", "float16", "bfloat16"):
@@ -148,5 +137,6 @@ def load_hf_source(path: str | Path) -> HFSource:
             f"{path}: architecture {arch} is not supported by the TRT-LLM converter",
             hint=f"supported: {', '.join(FAMILIES)}",
         )
-    tensors = load_tensors(path)
+    tensors = load_safetensors_dir(
+        path, hint="convert takes an HF safetensors folder (the resolve or quantize stage output)")
     return HFSource(path, config, tensors, read_quant(path), FAMILIES[arch], dims_of(config), _dtype_name(config, tensors))
