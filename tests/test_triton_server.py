@@ -318,12 +318,3 @@ def test_serve_command_stops_cleanly_on_signal(tmp_path, signum):
     assert "tritonserver stopped" in proc.stdout.read()
     assert "Started GRPCInferenceService" in (tmp_path / "build" / "logs" / "tritonserver.log").read_text()
     assert not shm_regions(f"{SHM_PREFIX}specdeploy_{proc.pid}_")
-
-
-def test_server_env_forces_utf8_for_the_stub():
-    """An EAGLE deployment imports torch._inductor in the stub, which reads non-ASCII templates:
-    with the machine's default C locale that failed to load ('ascii' codec) until UTF-8 mode."""
-    from specdeploy.triton.serve import server_env
-
-    env = server_env({"PATH": "/usr/bin", "LANG": "C"})
-    assert env["PYTHONUTF8"] == "1"

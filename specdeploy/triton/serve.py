@@ -82,9 +82,6 @@ def server_env(base: dict[str, str] | None = None, threads: int | None = None) -
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
-    # Without a UTF-8 locale the stub reads files as ASCII, and torch._inductor (imported with
-    # the EAGLE module) fails on a template with non-ASCII bytes: force Python's UTF-8 mode.
-    env["PYTHONUTF8"] = "1"
     # the runtime's torch threads share the machine's cores with the server's own threads
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
