@@ -10,12 +10,17 @@ flag. Client errors come back as the request's Triton error; the model keeps ser
 from __future__ import annotations
 
 import json
+import locale
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+# The stub's embedded Python starts in the C locale and ignores PYTHONUTF8, so open() decodes as
+# ASCII; torch._inductor (imported with the EAGLE module) then fails on a non-ASCII template.
+locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
