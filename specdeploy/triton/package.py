@@ -268,7 +268,7 @@ def run(
     *,
     spec: str = "none",
     choices: list[list[int]] | str | None = None,
-    max_draft_len: int = 4,
+    max_draft_len: int | None = None,
     draft_model_dir: str | Path | None = None,
     dtype: str = "float32",
     max_batch_size: int = 64,
@@ -278,11 +278,13 @@ def run(
 ) -> Path:
     """Write build/<name>/triton_repo/{cpu,engine,llmapi}; skipped when already complete.
 
-    `choices` defaults to the tree recorded by the spec stage (spec/spec_config.json)."""
+    `choices` defaults to the tree recorded by the spec stage (spec/spec_config.json);
+    `max_draft_len` to that tree's size, else 4 draft tokens (draft-target, n-gram)."""
     tree = _tree(choices)  # a bad tree fails before anything else
     model_dir = _model_dir(build)
     spec_dir = build.path("spec").resolve()
     tree = tree or _tree(_recorded_choices(spec_dir, spec))
+    max_draft_len = max_draft_len or (tree.num_nodes if tree else 4)
     draft = Path(draft_model_dir).resolve() if draft_model_dir else (spec_dir if spec == "draft" else None)
     settings = {
         "spec": spec, "choices": tree.to_list() if tree else None, "max_draft_len": max_draft_len,
@@ -351,7 +353,7 @@ def _readme(kind: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
     parser.add_argument("--choices", help="medusa/eagle choices tree, JSON ('[[0], [0, 0]]') or '{0}, {0, 0}'")
-    parser.add_argument("--max-draft-len", type=int, default=4)
+    parser.add_argument("--max-draft-len", type=int, help="default: the choices tree's size, else 4")
     parser.add_argument("--draft", help="draft model folder (spec=draft); default: the build's spec/")
     parser.add_argument("--dtype", default="float32", help="runtime dtype on CPU (float32 for exact parity)")
     parser.add_argument("--max-batch-size", type=int, default=64, help="engine/llmapi max batch size")
