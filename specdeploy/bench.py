@@ -218,13 +218,11 @@ def prompt_texts(source: str, n: int) -> list[str]:
 
 
 def load_prompts(source: str, n: int, tokenizer: Any, chat: bool) -> list[list[int]]:
+    from specdeploy.data import chat_text
+
     texts = prompt_texts(source, n)
     if chat and getattr(tokenizer, "chat_template", None):
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-            for t in texts
-        ]
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return [tokenizer(chat_text(tokenizer, t), add_special_tokens=False)["input_ids"] for t in texts]
     return [tokenizer(t)["input_ids"] for t in texts]
 
 

@@ -461,7 +461,7 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32") -> Any:
 
         return load_quantized(path, dtype=dtype)
     if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-        raise SpecDeployError(f"unknown dtype '{dtype}'", hint="use float32, bfloat16 or float16")
+        raise SpecDeployError(f"unknown dtype '{dtype}'", hint="use float32, float64, bfloat16 or float16")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.eval()
 

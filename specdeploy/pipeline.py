@@ -21,6 +21,7 @@ from rich.table import Table
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPES
 
 console = Console()
 TRAINED_SPECS = ("eagle", "medusa")
@@ -38,10 +39,11 @@ class EngineOptions:
     kv_cache: str | None = None  # None: follow the weight format (KV_CACHE_FOR)
     spec_preset: str = "quick"
     quantize_spec: bool = False
-    serve_dtype: str = "float32"
+    serve_dtype: str = "auto"  # package.SERVE_DTYPES
+    adaptive: bool = False  # package.ADAPTIVE_HELP
     tp_size: int = 1
     pp_size: int = 1
-    max_draft_len: int = 4  # draft-target and n-gram; trees bring their own
+    max_draft_len: int = 4  # draft-target and n-gram; Medusa/EAGLE trees come from the spec stage
     calib_size: int = 64
     quant_report: bool = True
     spec_overrides: dict | None = None  # e.g. {"steps": 5} for a quick look
@@ -60,14 +62,15 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
         steps.append(("spec", lambda: spec.run(build, opts.spec, preset=opts.spec_preset, **(opts.spec_overrides or {}))))
     kv_cache = opts.kv_cache or KV_CACHE_FOR.get(opts.quant, "none")
     kind = None if opts.spec == "none" else opts.spec
+    chain_len = opts.max_draft_len if opts.spec in ("draft", "ngram") else None  # trees: the spec stage's own
     steps += [
         ("quantize", lambda: quantize.run(build, opts.quant, kv_cache, quantize_spec=opts.quantize_spec,
                                            calib_size=opts.calib_size, report=opts.quant_report)),
         ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind,
-                                        draft_model=draft_dir, max_draft_len=_draft_len(build, opts))),
+                                        draft_model=draft_dir, max_draft_len=chain_len)),
         ("build", lambda: trt_build.run(build)),
-        ("package", lambda: package.run(build, spec=opts.spec, choices=_choices(build), max_draft_len=_draft_len(build, opts),
-                                        draft_model_dir=draft_dir, dtype=opts.serve_dtype)),
+        ("package", lambda: package.run(build, spec=opts.spec, max_draft_len=chain_len,
+                                        draft_model_dir=draft_dir, dtype=opts.serve_dtype, adaptive=opts.adaptive)),
     ]
     return steps
 
@@ -86,20 +89,6 @@ def _draft_dir(build: BuildDir, opts: EngineOptions) -> str | None:
     draft = resolve_model_dir(opts.draft)
     check_tokenizers(load_tokenizer(resolve_model_dir(opts.model)), load_tokenizer(draft))
     return str(draft)
-
-
-def _spec_config(build: BuildDir) -> dict:
-    path = build.path("spec") / "spec_config.json"
-    return json.loads(path.read_text()) if build.record("spec") and path.exists() else {}
-
-
-def _choices(build: BuildDir) -> list[list[int]] | None:
-    return _spec_config(build).get("choices")
-
-
-def _draft_len(build: BuildDir, opts: EngineOptions) -> int:
-    choices = _choices(build)
-    return len(choices) if choices else opts.max_draft_len
 
 
 def run_pipeline(build: BuildDir, opts: EngineOptions) -> list[dict]:
@@ -149,8 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
                         help="module training budget: quick (<= 10 min, default) or long (<= 60 min)")
     parser.add_argument("--quantize-spec", action="store_true", help="quantize the Medusa/EAGLE module too")
-    parser.add_argument("--serve-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="dtype of the CPU runtime served by Triton (float32: exact parity; bfloat16: faster)")
+    parser.add_argument("--serve-dtype", choices=SERVE_DTYPES, default="auto",
+                        help="dtype of the CPU runtime served by Triton; auto: the one in which greedy parity is "
+                             "exact (float64 when activations or K/V are quantized, else float32); bfloat16: faster")
+    parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--pp-size", type=int, default=1)
     parser.add_argument("--max-draft-len", type=int, default=4, help="draft tokens per step for draft/ngram")
@@ -163,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     opts = EngineOptions(
         model=args.model, spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
-        spec_preset=args.spec_preset, quantize_spec=args.quantize_spec, serve_dtype=args.serve_dtype,
+        spec_preset=args.spec_preset, quantize_spec=args.quantize_spec, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
         tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_report=not args.no_quant_report,
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},

@@ -261,6 +261,18 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     return q.to(x.dtype)
 
 
+def rounds_activations(quant: dict[str, Any]) -> bool:
+    """Does the forward pass round activations or K/V with static scales? Then a k-token verify
+    and a 1-token step (which differ by ~1e-7 in fp32) can land on opposite sides of a rounding
+    boundary, and a whole FP8/INT8 step apart: exact parity needs float64 on both sides."""
+    return bool(ACT_FORMAT.get(quant.get("quant_algo")) or quant.get("kv_cache_quant_algo"))
+
+
+def parity_dtype(model_dir: str | os.PathLike) -> str:
+    """The CPU runtime dtype in which speculative output equals plain greedy output exactly."""
+    return "float64" if rounds_activations(read_quant_config(model_dir)) else "float32"
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """ModelOpt's pack_int4_in_uint8, inverted: (out/2, in) uint8 -> (out, in) int8 in [-8, 7];
     byte [r, c] holds row 2r in its low nibble and row 2r+1 in its high nibble."""
@@ -401,7 +413,7 @@ def load_quantized(path: str | os.PathLike, dtype: str = "float32") -> nn.Module
         )
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
-        raise SpecDeployError(f"unknown dtype '{dtype}'", hint="use float32, bfloat16 or float16")
+        raise SpecDeployError(f"unknown dtype '{dtype}'", hint="use float32, float64, bfloat16 or float16")
     model = _empty_model(path, torch_dtype)
     tensors = load_safetensors_dir(path, hint="rerun `specdeploy quantize`")
     apply_quantized_tensors(model, tensors, quant)

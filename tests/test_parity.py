@@ -1,10 +1,15 @@
-"""Parity bookkeeping: exact matches, the first divergence and the margin there."""
+"""Parity bookkeeping: exact matches, the first divergence and the margin there, and which rule applies."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdeploy.parity import compare, hf_reference
+from specdeploy.quantize import parity_dtype
+from specdeploy.verify import parity_rule, summarize
 
 
 def test_reference_match_and_divergence(tiny_llama_dir):
@@ -24,3 +29,30 @@ def test_reference_match_and_divergence(tiny_llama_dir):
     assert not other.match
     assert other.first_divergence_token == 5
     assert other.margin_at_divergence == ref.margins[5]
+
+
+@pytest.mark.parametrize("dtype, quant, rule", [
+    ("float64", {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, "exact"),
+    ("float32", {}, "exact"),
+    ("float32", {"quant_algo": "W4A16_AWQ"}, "exact"),  # weight-only: activations are not rounded
+    ("float32", {"quant_algo": "FP8"}, "near-tie"),
+    ("float32", {"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": "FP8"}, "near-tie"),
+    ("bfloat16", {}, "near-tie"),
+])
+def test_parity_is_exact_only_where_the_runtime_can_be(dtype, quant, rule):
+    assert parity_rule(dtype, quant) == rule
+
+
+def test_a_divergence_fails_the_exact_rule_and_passes_near_tie_only_when_small():
+    row = {"prompt": "p", "reference": "ab", "served": "ac", "match": False, "first_divergence_token": 1,
+           "margin_at_divergence": 0.3, "tokens": 2, "acceptance_length": 1.0, "latency_s": 1.0, "ttft_s": 0.1,
+           "speedup": None, "ar_latency_s": None, "category": "chat"}
+    assert not summarize([row], "float64", "exact", near_tie=1.0)["parity_ok"]
+    assert summarize([row], "bfloat16", "near-tie", near_tie=1.0)["parity_ok"]
+    assert not summarize([row], "bfloat16", "near-tie", near_tie=0.1)["parity_ok"]
+
+
+def test_parity_dtype_follows_the_quantized_checkpoint(tmp_path):
+    assert parity_dtype(tmp_path) == "float32"  # not quantized
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+    assert parity_dtype(tmp_path) == "float64"

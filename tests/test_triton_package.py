@@ -15,6 +15,7 @@ from specdeploy import models
 from specdeploy.choices import validate_choices
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
+from specdeploy.runtime.deployment import load_decoder
 from specdeploy.triton import package
 
 TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
@@ -178,6 +179,8 @@ def test_cpu_deployment_json_is_what_load_decoder_reads(base_build, tmp_path, ti
     assert (folder / deployment["model_dir"]).resolve() == (out.parent / "base").resolve()
     assert (folder / deployment["spec"]["draft_model_dir"]).resolve() == tiny_llama_dir.resolve()
     assert deployment["spec"]["kind"] == "draft" and deployment["spec"]["max_draft_len"] == 3
+    assert deployment["spec"]["adaptive"] is False  # speculates every step, as TensorRT-LLM does
+    assert load_decoder(folder / "deployment.json").adaptive is False
     assert (folder / "model.py").exists()
     trt = load_repo(out / "cpu")["tensorrt_llm"]
     assert param(trt, "specdeploy_deployment") == "deployment.json"
@@ -235,6 +238,9 @@ def test_tree_defaults_to_the_one_the_spec_stage_recorded(base_build, tmp_path):
     assert deployment["spec"]["choices"] == validate_choices(TREE).to_list() and deployment["spec"]["path"] == "../../../../spec"
     spec = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
     assert spec["speculative_model_dir"] == str(root.resolve() / "spec" / "eagle3_export")
+    tree = validate_choices(TREE)
+    assert (spec["max_draft_len"], spec["max_total_draft_tokens"]) == (tree.depth, tree.num_nodes)
+    assert validate_choices(spec["eagle_choices"]).to_list() == tree.to_list()
 
 
 def test_no_stream_makes_gpu_configs_non_decoupled_but_cpu_stays_streaming(base_build, tmp_path):

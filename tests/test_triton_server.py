@@ -26,8 +26,9 @@ from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import package
-from specdeploy.triton.measure import StreamClient, inprocess_speed, served_speed
+from specdeploy.triton.measure import inprocess_speed, served_speed
 from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions
+from tests.triton_raw import StreamClient
 
 pytestmark = pytest.mark.server
 

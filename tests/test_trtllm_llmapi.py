@@ -70,13 +70,16 @@ def test_eagle3_draft_folder_and_yaml(tiny_llama_dir, tmp_path):
     spec_dir.mkdir()
     module = {k: v.contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")}
     save_file(module, str(spec_dir / "module.safetensors"))
-    (spec_dir / "spec_config.json").write_text(json.dumps({"kind": "eagle", "modelopt_config": EAGLE3_CFG, "choices": [[0], [0, 0], [0, 0, 0]]}))
+    (spec_dir / "spec_config.json").write_text(json.dumps({"kind": "eagle", "modelopt_config": EAGLE3_CFG, "choices": [[0], [1], [0, 0], [0, 0, 0]]}))
     spec = convert.load_spec(spec_dir)
     with pytest.raises(SpecDeployError, match="EAGLE-3"):  # the engine flow refuses it ...
         convert.convert_all(tiny_llama_dir, tmp_path / "engine", spec=spec)
     summary = llmapi.write_llmapi(tiny_llama_dir, tmp_path / "llmapi", spec=spec, spec_dir=spec_dir, base_dir=tiny_llama_dir)  # ... this route takes it
     draft = tmp_path / "llmapi" / "eagle3_draft"
-    assert summary["speculative_config"] == {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model_dir": str(draft.resolve())}
+    # TRT-LLM's EagleDecodingConfig: max_draft_len = draft layers (tree depth), max_total_draft_tokens = nodes
+    assert summary["speculative_config"] == {
+        "decoding_type": "Eagle3", "max_draft_len": 3, "eagle_choices": [[0], [1], [0, 0], [0, 0, 0]],
+        "max_total_draft_tokens": 4, "speculative_model_dir": str(draft.resolve())}
     config = json.loads((draft / "config.json").read_text())
     assert "Eagle3" in config["architectures"][0]
     exported = load_file(str(next(draft.glob("*.safetensors"))))

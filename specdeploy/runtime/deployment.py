@@ -72,12 +72,14 @@ class Decoder:
         *,
         draft_len: int | None = None,
         chat_template: bool = False,
+        adaptive: bool = True,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.draft_len = draft_len
         self.chat_template = chat_template
+        self.adaptive = adaptive  # see runtime/adaptive.py
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -115,6 +117,7 @@ class Decoder:
             on_tokens=on_tokens if on_text else None,
             draft_len=self.draft_len,
             decode=self.decode,
+            adaptive=self.adaptive,
         )
         text = cut_at_stop(self.decode(result.token_ids), params.stop_strings)
         if on_text:
@@ -145,14 +148,15 @@ def make_proposer(spec: dict[str, Any], target: Any, tokenizer: Any, base: Path 
     if not spec.get("path"):
         raise SpecDeployError(f"spec kind {kind!r} needs spec.path (the trained module)", hint="re-run the package stage")
     # the module folder, and the rest of the spec (choices, max_draft_len, mode...) as options
-    options = {key: value for key, value in spec.items() if key not in ("kind", "path") and value is not None}
+    options = {key: value for key, value in spec.items() if key not in ("kind", "path", "adaptive") and value is not None}
     return build_proposer(kind, target, spec_dir=str(_local_path(base, spec["path"])), **options)
 
 
 def load_decoder(path: str | Path) -> Decoder:
-    """A Decoder from deployment.json: {"model_dir", "dtype", "spec": {"kind", ...}}.
+    """A Decoder from deployment.json: {"model_dir", "dtype", "spec": {"kind", "adaptive", ...}}.
 
-    Relative paths are relative to the folder holding the file.
+    Relative paths are relative to the folder holding the file. `adaptive` false (the default)
+    speculates every step with the full draft, as TensorRT-LLM does.
     """
     path = Path(path)
     try:
@@ -169,4 +173,5 @@ def load_decoder(path: str | Path) -> Decoder:
         make_proposer(spec, target, tokenizer, path.parent),
         draft_len=spec.get("max_draft_len"),
         chat_template=bool(config.get("chat_template", False)),
+        adaptive=bool(spec.get("adaptive", False)),
     )

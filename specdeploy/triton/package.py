@@ -34,6 +34,9 @@ STAGE = "package"
 OUT = "triton_repo"
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
 FLAVORS = ("cpu", "engine", "llmapi")
+SERVE_DTYPES = ("auto", "float32", "float64", "bfloat16")
+ADAPTIVE_HELP = ("CPU deployment: fall back to plain decoding while speculation does not pay (faster on a CPU "
+                 "with a weak module); default off: speculate every step, as TensorRT-LLM does")
 _UPSTREAM = ("resolve", "spec", "quantize", "convert", "build")
 _UNSET_PARAM = re.compile(r'string_value:\s*"\$\{\w+\}"')
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
@@ -187,7 +190,8 @@ def write_engine_repo(
     return values
 
 
-def llmapi_speculative_yaml(kind: str, spec_dir: Path, draft_model_dir: Path | None, max_draft_len: int) -> str:
+def llmapi_speculative_yaml(kind: str, spec_dir: Path, draft_model_dir: Path | None, max_draft_len: int,
+                            tree: ChoicesTree | None = None) -> str:
     """model.yaml's speculative_config block (TRT-LLM >= 1.2 LLM API), '' without speculation.
     The mapping itself comes from the convert stage's LLM-API route, so both write the same."""
     from specdeploy.trtllm.llmapi import DECODING_TYPES, speculative_config
@@ -196,12 +200,12 @@ def llmapi_speculative_yaml(kind: str, spec_dir: Path, draft_model_dir: Path | N
         return ""
     # EAGLE-3: the draft folder ModelOpt's export_speculative_decoding wrote in the spec stage
     draft = {"draft": draft_model_dir, "eagle": spec_dir / "eagle3_export"}.get(kind)
-    config = speculative_config(kind, max_draft_len, draft)
+    config = speculative_config(kind, max_draft_len, draft, tree=tree)
     return "\n".join(["speculative_config:"] + [f"  {key}: {value}" for key, value in config.items()])
 
 
 def write_llmapi_repo(
-    out: Path, kind: str, model_dir: Path, spec_dir: Path, draft_model_dir: Path | None, *,
+    out: Path, kind: str, model_dir: Path, spec_dir: Path, draft_model_dir: Path | None, *, tree: ChoicesTree | None,
     max_draft_len: int, max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool,
 ) -> None:
     values = {
@@ -210,7 +214,7 @@ def write_llmapi_repo(
         "max_batch_size": max_batch_size,
         "max_seq_len": _read_context_len(model_dir) or 2048,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
-        "speculative_config": llmapi_speculative_yaml(kind, spec_dir, draft_model_dir, max_draft_len),
+        "speculative_config": llmapi_speculative_yaml(kind, spec_dir, draft_model_dir, max_draft_len, tree),
         "decoupled_mode": decoupled,
     }
     _fill_model(out / "tensorrt_llm", TEMPLATES / "llmapi" / "tensorrt_llm", values)
@@ -246,7 +250,7 @@ def _tokenizer_dir(build: BuildDir, model_dir: Path) -> Path:
 
 def deployment_json(
     base: Path, model_dir: Path, dtype: str, kind: str, spec_dir: Path, *,
-    choices: list[list[int]] | None, max_draft_len: int, draft_model_dir: Path | None,
+    choices: list[list[int]] | None, max_draft_len: int, draft_model_dir: Path | None, adaptive: bool = False,
 ) -> dict[str, Any]:
     """What runtime.deployment.load_decoder reads. Paths are relative to the file's folder
     (cpu/tensorrt_llm/1/), so the build directory can move as a whole."""
@@ -259,6 +263,7 @@ def deployment_json(
             "choices": choices,
             "max_draft_len": max_draft_len,
             "draft_model_dir": os.path.relpath(draft_model_dir, base) if draft_model_dir else None,
+            "adaptive": adaptive,
         },
     }
 
@@ -270,7 +275,8 @@ def run(
     choices: list[list[int]] | str | None = None,
     max_draft_len: int | None = None,
     draft_model_dir: str | Path | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
+    adaptive: bool = False,
     max_batch_size: int = 64,
     cpu_max_batch_size: int = 4,
     kv_cache_free_gpu_mem_fraction: float = 0.9,
@@ -279,16 +285,24 @@ def run(
     """Write build/<name>/triton_repo/{cpu,engine,llmapi}; skipped when already complete.
 
     `choices` defaults to the tree recorded by the spec stage (spec/spec_config.json);
-    `max_draft_len` to that tree's size, else 4 draft tokens (draft-target, n-gram)."""
+    `max_draft_len` to that tree's size, else 4 draft tokens (draft-target, n-gram).
+    `dtype` "auto" is the CPU runtime dtype in which greedy parity is exact (quantize.parity_dtype).
+    `adaptive`: the CPU runtime falls back to plain decoding while speculation does not pay; off by
+    default, so that the CPU deployment speculates as TensorRT-LLM does and shows the module's
+    own acceptance."""
     tree = _tree(choices)  # a bad tree fails before anything else
     model_dir = _model_dir(build)
+    if dtype == "auto":
+        from specdeploy.quantize import parity_dtype
+
+        dtype = parity_dtype(model_dir)
     spec_dir = build.path("spec").resolve()
     tree = tree or _tree(_recorded_choices(spec_dir, spec))
     max_draft_len = max_draft_len or (tree.num_nodes if tree else 4)
     draft = Path(draft_model_dir).resolve() if draft_model_dir else (spec_dir if spec == "draft" else None)
     settings = {
         "spec": spec, "choices": tree.to_list() if tree else None, "max_draft_len": max_draft_len,
-        "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "max_batch_size": max_batch_size,
+        "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "adaptive": adaptive, "max_batch_size": max_batch_size,
         "cpu_max_batch_size": cpu_max_batch_size, "decoupled": decoupled,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
         "templates": _templates_digest(),
@@ -311,11 +325,11 @@ def _write_repos(
            "kv_cache_free_gpu_mem_fraction": settings["kv_cache_free_gpu_mem_fraction"]}
     base = build.root.resolve() / OUT / "cpu" / "tensorrt_llm" / "1"  # where deployment.json lives
     deployment = deployment_json(base, model_dir, settings["dtype"], kind, spec_dir, choices=settings["choices"],
-                                 max_draft_len=settings["max_draft_len"], draft_model_dir=draft)
+                                 max_draft_len=settings["max_draft_len"], draft_model_dir=draft, adaptive=settings["adaptive"])
     write_cpu_repo(tmp / "cpu", deployment, model_dir, tokenizer_dir, max_batch_size=settings["cpu_max_batch_size"])
     values = write_engine_repo(tmp / "engine", kind, tree, build.path("engines").resolve(), tokenizer_dir, **gpu)
     atomic_write_text(tmp / "engine" / "fill_template_args.txt", backend_fill_args(values) + "\n")
-    write_llmapi_repo(tmp / "llmapi", kind, model_dir, spec_dir, draft, max_draft_len=settings["max_draft_len"], **gpu)
+    write_llmapi_repo(tmp / "llmapi", kind, model_dir, spec_dir, draft, tree=tree, max_draft_len=settings["max_draft_len"], **gpu)
     atomic_write_text(tmp / "README.md", _readme(kind))
 
 
@@ -355,7 +369,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--choices", help="medusa/eagle choices tree, JSON ('[[0], [0, 0]]') or '{0}, {0, 0}'")
     parser.add_argument("--max-draft-len", type=int, help="default: the choices tree's size, else 4")
     parser.add_argument("--draft", help="draft model folder (spec=draft); default: the build's spec/")
-    parser.add_argument("--dtype", default="float32", help="runtime dtype on CPU (float32 for exact parity)")
+    parser.add_argument("--dtype", choices=SERVE_DTYPES, default="auto",
+                        help="CPU runtime dtype; auto: float64 when activations or K/V are quantized, else float32 "
+                             "(the dtypes in which greedy parity is exact); bfloat16 is faster, parity at near-ties only")
+    parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     parser.add_argument("--max-batch-size", type=int, default=64, help="engine/llmapi max batch size")
     parser.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)
     parser.add_argument("--no-stream", action="store_true", help="non-decoupled GPU configs (no streaming)")
@@ -365,7 +382,7 @@ def main(args: argparse.Namespace) -> int:
     build = build_from_args(args)
     out = run(
         build, spec=args.spec, choices=args.choices, max_draft_len=args.max_draft_len,
-        draft_model_dir=args.draft, dtype=args.dtype, max_batch_size=args.max_batch_size,
+        draft_model_dir=args.draft, dtype=args.dtype, adaptive=args.adaptive, max_batch_size=args.max_batch_size,
         kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction, decoupled=not args.no_stream,
     )
     print(out)

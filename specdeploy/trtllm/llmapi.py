@@ -6,6 +6,8 @@ the HF checkpoint (ModelOpt's unified quantized export included) directly. Their
 decoding covers EAGLE-3, draft-target and n-gram - not Medusa nor EAGLE-1/2.
 
 Formats read from NVIDIA/TensorRT-LLM:
+- tensorrt_llm/llmapi/llm_args.py (EagleDecodingConfig.validate_eagle_config): with eagle_choices,
+  max_draft_len is reset to the tree's depth and max_total_draft_tokens = len(eagle_choices).
 - docs/source/features/speculative-decoding.md @ 04c8822cc42ffd1f5b6270874e5b9a64a20e7a58:
   `speculative_config: {decoding_type: Eagle3 | DraftTarget | NGram, max_draft_len, speculative_model
   (alias speculative_model_dir)}`; NGram options max_matching_ngram_size, is_public_pool,
@@ -24,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from specdeploy.choices import ChoicesTree
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 
@@ -32,8 +35,10 @@ NGRAM_DEFAULTS = {"max_matching_ngram_size": 3, "is_public_pool": False, "is_kee
 
 
 def speculative_config(kind: str, max_draft_len: int, draft_dir: str | Path | None = None,
-                       ngram: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The `speculative_config` mapping for one spec kind."""
+                       ngram: dict[str, Any] | None = None, tree: ChoicesTree | None = None) -> dict[str, Any]:
+    """The `speculative_config` mapping for one spec kind. An EAGLE tree is given as TRT-LLM's
+    EagleDecodingConfig takes it: max_draft_len = its depth (draft layers), eagle_choices, and
+    max_total_draft_tokens = its node count (what that config derives from the choices)."""
     if kind not in DECODING_TYPES:
         raise SpecDeployError(
             f"TensorRT-LLM's LLM-API route has no speculative decoding for {kind!r}",
@@ -43,6 +48,8 @@ def speculative_config(kind: str, max_draft_len: int, draft_dir: str | Path | No
     if max_draft_len < 1:
         raise SpecDeployError(f"max_draft_len must be >= 1, got {max_draft_len}")
     config: dict[str, Any] = {"decoding_type": DECODING_TYPES[kind], "max_draft_len": int(max_draft_len)}
+    if kind == "eagle" and tree is not None:
+        config.update(max_draft_len=tree.depth, eagle_choices=tree.to_list(), max_total_draft_tokens=tree.num_nodes)
     if kind in ("eagle", "draft"):
         if draft_dir is None:
             raise SpecDeployError(f"{DECODING_TYPES[kind]} needs a draft model folder")
@@ -128,9 +135,8 @@ def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, spec_dir: Path 
         draft_dir: Path | None = spec.draft_dir
         if spec.kind == "eagle":
             draft_dir = eagle3_draft_dir(spec, spec_dir, base_dir or Path(model_dir), out)
-        length = spec.max_draft_len or (spec.tree.depth if spec.tree else 4)  # Eagle3 drafts a chain per step
-        spec_cfg = speculative_config(spec.kind, length, draft_dir.resolve() if draft_dir else None,
-                                      (spec.config or {}).get("ngram"))
+        spec_cfg = speculative_config(spec.kind, spec.max_draft_len or 4, draft_dir.resolve() if draft_dir else None,
+                                      (spec.config or {}).get("ngram"), tree=spec.tree)
     atomic_write_text(out / "speculative_config.yaml", yaml.safe_dump(llm_options(spec_cfg), sort_keys=False))
     atomic_write_text(out / "model.yaml", yaml.safe_dump(model_yaml(Path(model_dir).resolve(), spec_cfg, tp, pp), sort_keys=False))
     summary = {"route": "llmapi", "kind": spec.kind, "speculative_config": spec_cfg, "model": str(Path(model_dir).resolve())}

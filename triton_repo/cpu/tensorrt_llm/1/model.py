@@ -208,7 +208,7 @@ class TritonPythonModel:
 
         decoder = self.decoder
         return generate(decoder.target, prompt, params, decoder.proposer, on_tokens=on_tokens,
-                        draft_len=decoder.draft_len, decode=decoder.decode)
+                        draft_len=decoder.draft_len, decode=decoder.decode, adaptive=decoder.adaptive)
 
     def finalize(self) -> None:
         self.decoder = None
