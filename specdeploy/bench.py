@@ -3,8 +3,10 @@ against Hugging Face assisted generation, on the same model pair and prompts, in
 
 Methods are interleaved prompt by prompt (each prompt runs every method, in an order rotated per
 prompt), so a noisy, shared machine slows all of them alike rather than whichever ran last.
-Speculative rows are proposers of the runtime (SPEC_ROWS): a Medusa/EAGLE row only needs its
-trained module folder (--spec-dir kind=path).
+Speculative rows are proposers of the runtime (SPEC_ROWS): a Medusa/EAGLE row takes the module
+`make engine` trained for the model under --build-root, or one given with --spec-dir kind=path:
+
+    make bench BENCH_ARGS="--model smollm2-135m --methods ar,ngram,hf-lookup,eagle --prompts sharegpt"
 """
 
 from __future__ import annotations
@@ -226,6 +228,20 @@ def load_prompts(source: str, n: int, tokenizer: Any, chat: bool) -> list[list[i
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
+def trained_modules(build_root: Path, model: str) -> dict[str, str]:
+    """kind -> spec/ folder of the Medusa/EAGLE modules `make engine` trained for `model` under
+    build_root (the newest build per kind), so that their rows need no --spec-dir."""
+    import json
+
+    found = {}
+    for manifest in sorted(build_root.glob("*/manifest.json"), key=lambda path: path.stat().st_mtime):
+        stages = json.loads(manifest.read_text()).get("stages", {})
+        config = manifest.parent / "spec" / "spec_config.json"
+        if "spec" in stages and config.exists() and stages.get("resolve", {}).get("settings", {}).get("model") == model:
+            found[json.loads(config.read_text())["kind"]] = str(config.parent)
+    return found
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="target: HF folder, .gguf or bundled name")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model sharing the target's tokenizer")
@@ -239,7 +255,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated, from ar, {', '.join(SPEC_ROWS)}, {', '.join(HF_ROWS)}")
     parser.add_argument("--spec-dir", action="append", default=[], metavar="KIND=PATH",
-                        help="trained module for a medusa/eagle row (repeatable)")
+                        help="trained module for a medusa/eagle row (repeatable; default: the newest one "
+                             "`make engine` trained for --model under --build-root)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--build-root", default="build", help="results go to <build-root>/bench/ unless --out")
     parser.add_argument("--out", help="JSON results path")
@@ -279,7 +296,7 @@ def main(args: argparse.Namespace) -> int:
     if args.served:
         return bench_served(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    spec_dirs = dict(item.split("=", 1) for item in args.spec_dir)
+    spec_dirs = {**trained_modules(Path(args.build_root), args.model), **dict(item.split("=", 1) for item in args.spec_dir)}
     torch.set_num_threads(args.threads)
     target, tokenizer = load_model(resolve_model_dir(args.model), args.dtype)
     needs_draft = {"draft", "hf-assisted"} & set(methods)

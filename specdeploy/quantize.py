@@ -448,15 +448,12 @@ def _encode_chat_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def greedy_tokens(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, proposer: Any = None) -> tuple[list[int], Any]:
-    """Greedy continuation with the project's runtime (falls back to HF generate without it)."""
-    try:
-        from specdeploy.runtime.decoding import generate
-        from specdeploy.runtime.types import SamplingParams
-    except ImportError:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, len(prompt_ids):].tolist(), None
-    result = generate(model, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), proposer)
+    """Greedy continuation with the project's runtime; a proposer drafts every step (not
+    adaptive), so the acceptance measured is the module's own."""
+    from specdeploy.runtime.decoding import generate
+    from specdeploy.runtime.types import SamplingParams
+
+    result = generate(model, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), proposer, adaptive=False)
     return list(result.token_ids), result.metrics
 
 

@@ -52,3 +52,24 @@ def test_bench_command(tiny_llama_dir, tiny_draft_dir, tmp_path, monkeypatch):
     results = json.loads(out.read_text())
     assert set(results["methods"]) == {"ar", "draft", "ngram", "hf-lookup"}
     assert results["settings"]["max_new_tokens"] == 6 and len(results["prompts"]) == 2
+
+
+def test_bench_finds_the_modules_make_engine_trained_for_the_model(tmp_path):
+    from specdeploy.bench import trained_modules
+
+    def build(name: str, model: str, kind: str | None) -> None:
+        stages = {"resolve": {"settings": {"model": model}}}
+        if kind:
+            stages["spec"] = {"settings": {"kind": kind}}
+            (tmp_path / name / "spec").mkdir(parents=True)
+            (tmp_path / name / "spec" / "spec_config.json").write_text(json.dumps({"kind": kind}))
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"stages": stages}))
+
+    build("m-eagle-fp8", "m", "eagle")
+    build("m-medusa-none", "m", "medusa")
+    build("m-ngram-fp8", "m", None)
+    build("other-eagle-fp8", "other", "eagle")
+    assert trained_modules(tmp_path, "m") == {"eagle": str(tmp_path / "m-eagle-fp8" / "spec"),
+                                              "medusa": str(tmp_path / "m-medusa-none" / "spec")}
+    assert trained_modules(tmp_path, "nothing") == {}
