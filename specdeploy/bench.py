@@ -12,6 +12,7 @@ Speculative rows are proposers of the runtime (SPEC_ROWS): a Medusa/EAGLE row ta
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -231,8 +232,6 @@ def load_prompts(source: str, n: int, tokenizer: Any, chat: bool) -> list[list[i
 def trained_modules(build_root: Path, model: str) -> dict[str, str]:
     """kind -> spec/ folder of the Medusa/EAGLE modules `make engine` trained for `model` under
     build_root (the newest build per kind), so that their rows need no --spec-dir."""
-    import json
-
     found = {}
     for manifest in sorted(build_root.glob("*/manifest.json"), key=lambda path: path.stat().st_mtime):
         stages = json.loads(manifest.read_text()).get("stages", {})
