@@ -93,6 +93,13 @@ class Decoder:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(prompt)["input_ids"]
 
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams,
+                     on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """The deployment's generation at the token level (the Triton model's entry: the ensemble
+        has already tokenized); `on_tokens` gets each accepted group."""
+        return generate(self.target, prompt_ids, params, self.proposer, on_tokens=on_tokens,
+                        draft_len=self.draft_len, decode=self.decode, adaptive=self.adaptive)
+
     def generate(
         self,
         prompt: str,
@@ -109,16 +116,7 @@ class Decoder:
             if piece:
                 on_text(piece)
 
-        result = generate(
-            self.target,
-            self.encode(prompt, chat),
-            params,
-            self.proposer,
-            on_tokens=on_tokens if on_text else None,
-            draft_len=self.draft_len,
-            decode=self.decode,
-            adaptive=self.adaptive,
-        )
+        result = self.generate_ids(self.encode(prompt, chat), params, on_tokens if on_text else None)
         text = cut_at_stop(self.decode(result.token_ids), params.stop_strings)
         if on_text:
             rest = stream.finish(text)

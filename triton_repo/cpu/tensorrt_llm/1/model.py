@@ -192,7 +192,7 @@ class TritonPythonModel:
         streaming = bool(_scalar(request, "streaming", False)) and self.decoupled
         exclude = bool(_scalar(request, "exclude_input_in_output", self.exclude_input))
         stream = _Streamer(self.tokenizer, sink, request) if streaming else None
-        result = self._run(prompt, params, stream.on_tokens if stream else None)
+        result = self.decoder.generate_ids(prompt, params, stream.on_tokens if stream else None)
         tokens = [] if streaming else (result.token_ids if exclude else prompt + result.token_ids)
         if stream:
             stream.flush()
@@ -200,15 +200,6 @@ class TritonPythonModel:
         if _scalar(request, "return_perf_metrics", False):
             outputs += _perf_tensors(result.metrics, arrival, stream.first_ns if stream else None)
         sink.send(outputs, final=True)
-
-    def _run(self, prompt: list[int], params, on_tokens):
-        """One generation on the deployment's decoder, at the token level: the ensemble has
-        already tokenized (Decoder.generate is the same loop behind a text interface)."""
-        from specdeploy.runtime.decoding import generate
-
-        decoder = self.decoder
-        return generate(decoder.target, prompt, params, decoder.proposer, on_tokens=on_tokens,
-                        draft_len=decoder.draft_len, decode=decoder.decode, adaptive=decoder.adaptive)
 
     def finalize(self) -> None:
         self.decoder = None
