@@ -45,6 +45,7 @@ class EngineOptions:
     pp_size: int = 1
     max_draft_len: int = 4  # draft-target and n-gram; Medusa/EAGLE trees come from the spec stage
     calib_size: int = 64
+    quant_exclude: list[str] | None = None  # Linears kept in the model dtype (quantize --exclude)
     quant_report: bool = True
     spec_overrides: dict | None = None  # e.g. {"steps": 5} for a quick look
 
@@ -65,7 +66,8 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
     chain_len = opts.max_draft_len if opts.spec in ("draft", "ngram") else None  # trees: the spec stage's own
     steps += [
         ("quantize", lambda: quantize.run(build, opts.quant, kv_cache, quantize_spec=opts.quantize_spec,
-                                           calib_size=opts.calib_size, report=opts.quant_report)),
+                                           calib_size=opts.calib_size, report=opts.quant_report,
+                                           exclude=opts.quant_exclude)),
         ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind,
                                         draft_model=draft_dir, max_draft_len=chain_len)),
         ("build", lambda: trt_build.run(build)),
@@ -146,6 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp-size", type=int, default=1)
     parser.add_argument("--max-draft-len", type=int, default=4, help="draft tokens per step for draft/ngram")
     parser.add_argument("--calib-size", type=int, default=64, help="calibration prompts for quantization")
+    parser.add_argument("--quant-exclude", nargs="+", metavar="PATTERN",
+                        help="keep these Linears unquantized (mixed precision; see `specdeploy quantize --exclude`)")
     parser.add_argument("--no-quant-report", action="store_true", help="skip the quantization quality report")
     parser.add_argument("--spec-steps", type=int, help="override the module training steps")
     parser.add_argument("--spec-prompts", type=int, help="override the number of self-distillation prompts")
@@ -156,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
         model=args.model, spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
         spec_preset=args.spec_preset, quantize_spec=args.quantize_spec, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
         tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
-        calib_size=args.calib_size, quant_report=not args.no_quant_report,
+        calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},
     )
     build = build_from_args(args)

@@ -10,7 +10,8 @@ Layout of build/<name>/quantized/ (read by specdeploy.trtllm.convert and by load
                                                W4A8_AWQ | NVFP4 | null,
                                                "kv_cache_quant_algo": FP8 | INT8 | null,
                                                "group_size", "has_zero_point", "pre_quant_scale",
-                                               "exclude_modules": ["lm_head", "model.embed_tokens"]}}
+                                               "exclude_modules": ["lm_head", "model.embed_tokens",
+                                                                   + what --exclude kept]}}
     model.safetensors        ModelOpt's export: per quantized Linear `<m>.weight` (float8_e4m3fn,
                              int8, or uint8 = two int4 packed along the output dim), `<m>.weight_scale`
                              (per tensor / per row / per (row, block)), `<m>.weight_scale_2` (W4A8),
@@ -77,6 +78,12 @@ CPU_UNRUNNABLE = {"nvfp4": "NVFP4", "NVFP4": "NVFP4", "W4A8_NVFP4_FP8": "NVFP4",
 ACT_FORMAT = {"FP8": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "W4A16_AWQ": None, "W4A8_AWQ": "fp8"}
 FP8_MAX = 448.0
 EXCLUDED_NAMES = ("lm_head", "output_layer", "embed")  # never quantized by the ModelOpt presets
+# TensorRT-LLM runs these Linears as one GEMM (attention.qkv; the fused gate/up MLP), so a layer
+# keeps or quantizes each group as a whole.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# TRT-LLM honours exclude_modules for FP8 and weight-only AWQ (quantize_layers); its INT8
+# SmoothQuant plugin path quantizes every layer, so mixed precision is refused there.
+EXCLUDABLE_QFORMATS = ("fp8", "int4_awq")
 
 
 # ============================================================================ configuration
@@ -99,8 +106,10 @@ def _set_block_size(entries: list[dict[str, Any]], block_size: int) -> None:
                 cfg["block_sizes"].pop("-1", None)
 
 
-def quant_config(qformat: str, kv_cache: str = "fp8", awq_block_size: int = 128) -> dict[str, Any] | None:
-    """The ModelOpt 0.47 config (list-style quant_cfg) for a format + KV cache; None = nothing."""
+def quant_config(qformat: str, kv_cache: str = "fp8", awq_block_size: int = 128,
+                 keep: Iterable[str] = ()) -> dict[str, Any] | None:
+    """The ModelOpt 0.47 config (list-style quant_cfg) for a format + KV cache; None = nothing.
+    `keep`: Linear names left unquantized (see excluded_linears)."""
     if qformat not in QFORMATS:
         raise SpecDeployError(f"unknown --qformat '{qformat}'", hint=f"use one of {', '.join(QFORMATS)}")
     if kv_cache not in KV_CACHE:
@@ -124,7 +133,8 @@ def quant_config(qformat: str, kv_cache: str = "fp8", awq_block_size: int = 128)
         config = copy.deepcopy(getattr(mtq, QFORMATS[qformat]))
     if qformat in BLOCK_QFORMATS:
         _set_block_size(config["quant_cfg"], awq_block_size)
-    config["quant_cfg"] = list(config["quant_cfg"]) + _kv_entries(kv_cache)
+    keep_entries = [{"quantizer_name": f"{name}.*", "enable": False} for name in keep]
+    config["quant_cfg"] = list(config["quant_cfg"]) + _kv_entries(kv_cache) + keep_entries
     return config
 
 
@@ -132,6 +142,44 @@ def _quantized_linears(model: nn.Module) -> Iterable[tuple[str, nn.Linear]]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not any(part in name for part in EXCLUDED_NAMES):
             yield name, module
+
+
+def check_exclude_format(qformat: str, patterns: list[str]) -> None:
+    if patterns and qformat not in EXCLUDABLE_QFORMATS:
+        raise SpecDeployError(f"--exclude is not supported with --qformat {qformat}",
+                              hint=f"mixed precision needs --qformat {' or '.join(EXCLUDABLE_QFORMATS)} (TRT-LLM "
+                                   "ignores exclude_modules on its INT8 SmoothQuant path)")
+
+
+def excluded_linears(model: nn.Module, qformat: str, patterns: Iterable[str]) -> list[str]:
+    """The quantizable Linears that --exclude keeps in the model dtype (fnmatch on HF module
+    names, e.g. '*mlp.down_proj' or 'model.layers.0.*'); a pattern must match something, and
+    TRT-LLM's fused GEMMs (FUSED_GROUPS) are kept or quantized as a whole."""
+    from fnmatch import fnmatchcase
+
+    patterns = list(patterns)
+    check_exclude_format(qformat, patterns)
+    if not patterns:
+        return []
+    names = [name for name, _ in _quantized_linears(model)]
+    kept = []
+    for pattern in patterns:
+        matched = [n for n in names if fnmatchcase(n, pattern)]
+        if not matched:
+            raise SpecDeployError(f"--exclude '{pattern}' matches no quantized Linear",
+                                  hint=f"patterns match module names such as {names[0]} (e.g. '*mlp.down_proj', 'model.layers.0.*')")
+        kept += [n for n in matched if n not in kept]
+    for name in kept:
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if leaf in g), ())
+        missing = [f"{parent}.{m}" for m in group if f"{parent}.{m}" in names and f"{parent}.{m}" not in kept]
+        if missing:
+            raise SpecDeployError(
+                f"--exclude keeps {name} unquantized but not {', '.join(missing)}: TensorRT-LLM runs "
+                f"{'/'.join(group)} as one GEMM",
+                hint="exclude the group together: --exclude " + " ".join(f"'{parent}.{m}'" for m in group),
+            )
+    return sorted(kept)
 
 
 def check_block_size(model: nn.Module, qformat: str, block_size: int) -> None:
@@ -189,9 +237,9 @@ def _forward_loop(batches: list[torch.Tensor], desc: str) -> Callable[[nn.Module
 
 
 def quantize_model(model: nn.Module, qformat: str, kv_cache: str, batches: list[torch.Tensor],
-                   awq_block_size: int = 128) -> nn.Module:
+                   awq_block_size: int = 128, exclude: Iterable[str] = ()) -> nn.Module:
     """ModelOpt PTQ in place (the model should already be bf16/fp16: export casts nothing)."""
-    config = quant_config(qformat, kv_cache, awq_block_size)
+    config = quant_config(qformat, kv_cache, awq_block_size, excluded_linears(model, qformat, exclude))
     if config is None:
         return model
     check_block_size(model, qformat, awq_block_size)
@@ -579,6 +627,8 @@ def report_markdown(report: dict[str, Any], settings: dict[str, Any]) -> str:
     lines += [
         f"Calibration: {settings.get('calib_size')} ShareGPT train conversations x {settings.get('calib_seq_len')} tokens; "
         f"evaluation on the held-out split in {report['dtype']}.",
+        *([f"Mixed precision: Linears matching {', '.join(settings['exclude'])} stay in {settings.get('dtype')} (--exclude)."]
+          if settings.get("exclude") else []),
         "",
         "| metric | unquantized | quantized | change |",
         "|---|---|---|---|",
@@ -599,12 +649,13 @@ def report_markdown(report: dict[str, Any], settings: dict[str, Any]) -> str:
 def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_size: int = 64,
         calib_seq_len: int = 256, quantize_spec: bool = False, dtype: str = "bfloat16", awq_block_size: int = 128,
         report: bool = True, report_prompts: int = 8, report_tokens: int = 32, report_texts: int = 16,
-        seed: int = 0) -> Path:
+        seed: int = 0, exclude: list[str] | None = None) -> Path:
     """Stage `quantize`: build/<name>/quantized/ (see the module docstring for the layout)."""
     if dtype not in ("bfloat16", "float16"):
         raise SpecDeployError(f"quantize in bfloat16 or float16, not {dtype}",
                               hint="ModelOpt's export does not cast unquantized weights: fp32 would ship fp32")
     quant_config(qformat, kv_cache, awq_block_size)  # validate before loading anything
+    check_exclude_format(qformat, exclude or [])
     base_dir = build.path("base")
     if build.record("resolve") is None:
         raise SpecDeployError(f"stage 'resolve' has not run in {build.root}", hint="run `specdeploy resolve` first")
@@ -616,6 +667,8 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
                 "quantize_spec": quantize_spec, "dtype": dtype, "awq_block_size": awq_block_size,
                 "report": report, "report_prompts": report_prompts, "report_tokens": report_tokens,
                 "report_texts": report_texts, "seed": seed}
+    if exclude:  # only when used: builds made before --exclude existed stay complete
+        settings["exclude"] = list(exclude)
     if build.completed(STAGE, settings, consumes=consumes):
         return build.path(OUT)
     with build.stage(STAGE, OUT, settings, consumes=consumes) as tmp:
@@ -627,14 +680,15 @@ def _quantize_into(out: Path, base_dir: Path, spec_dir: Path | None, settings: d
     from specdeploy.models import load_tokenizer
 
     batches = calibration_batches(load_tokenizer(base_dir), settings["calib_size"], settings["calib_seq_len"], settings["seed"])
-    calib_seconds = _quantize_and_export(out, base_dir, batches, settings)
+    calib_seconds, kept = _quantize_and_export(out, base_dir, batches, settings)
     _copy_tokenizer_files(base_dir, out)
     quant_spec_dir = None
     if settings["quantize_spec"]:
         quant_spec_dir = quantize_spec_module(base_dir, spec_dir, out / "spec", batches, settings)
     atomic_write_json(out / "specdeploy_quant.json", {
         "settings": settings,
-        "modelopt_config": _jsonable(quant_config(settings["qformat"], settings["kv_cache"], settings["awq_block_size"])),
+        "modelopt_config": _jsonable(quant_config(settings["qformat"], settings["kv_cache"], settings["awq_block_size"], kept)),
+        "unquantized_linears": kept,
         "calibration": {"sequences": len(batches), "tokens": sum(b.shape[1] for b in batches), "seconds": round(calib_seconds, 1)},
         "cpu_runnable": settings["qformat"] not in CPU_UNRUNNABLE,
         "note": "load with specdeploy.models.load_causal_lm (dequantized weights + static fake-quantized inputs/KV)",
@@ -643,20 +697,22 @@ def _quantize_into(out: Path, base_dir: Path, spec_dir: Path | None, settings: d
         _write_report(out, base_dir, spec_dir, quant_spec_dir, settings)
 
 
-def _quantize_and_export(out: Path, base_dir: Path, batches: list[torch.Tensor], settings: dict[str, Any]) -> float:
-    """Calibrate a fresh bf16/fp16 instance and export it into `out`; returns calibration seconds."""
+def _quantize_and_export(out: Path, base_dir: Path, batches: list[torch.Tensor], settings: dict[str, Any]) -> tuple[float, list[str]]:
+    """Calibrate a fresh bf16/fp16 instance and export it into `out`: (calibration seconds,
+    the Linears --exclude kept unquantized)."""
     qformat, kv_cache = settings["qformat"], settings["kv_cache"]
     model = _load_base(base_dir, settings["dtype"])  # a fresh instance: export mutates it
     check_block_size(model, qformat, settings["awq_block_size"])
+    kept = excluded_linears(model, qformat, settings.get("exclude", []))
     started = time.time()
-    quantize_model(model, qformat, kv_cache, batches, settings["awq_block_size"])
+    quantize_model(model, qformat, kv_cache, batches, settings["awq_block_size"], kept)
     seconds = time.time() - started
     if qformat == "none" and kv_cache == "none":
         model.save_pretrained(out)
     else:
         print(f"exporting the {qformat} checkpoint (ModelOpt unified HF format)")
         export_checkpoint(model, out)
-    return seconds
+    return seconds, kept
 
 
 def _write_report(out: Path, base_dir: Path, spec_dir: Path | None, quant_spec_dir: Path | None, settings: dict[str, Any]) -> None:
@@ -767,6 +823,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-spec", action="store_true", help="also quantize the Medusa/EAGLE module (FP8)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="cast before quantizing")
     parser.add_argument("--awq-block-size", type=int, default=128, help="INT4 AWQ block size (32, 64, 128)")
+    parser.add_argument("--exclude", nargs="+", metavar="PATTERN",
+                        help="keep these Linears in the model dtype (fnmatch on HF names, e.g. '*mlp.down_proj' "
+                             "'model.layers.0.*'); fp8 and int4_awq; TRT-LLM's fused q/k/v and gate/up go together")
     parser.add_argument("--no-report", action="store_true", help="skip the quality report")
     parser.add_argument("--report-prompts", type=int, default=8, help="held-out prompts for the greedy agreement")
     parser.add_argument("--report-tokens", type=int, default=32, help="new tokens per prompt in the report")
@@ -780,6 +839,7 @@ def main(args: argparse.Namespace) -> int:
     out = run(build_from_args(args), qformat, args.kv_cache, calib_size=args.calib_size,
               calib_seq_len=args.calib_seq_len, quantize_spec=args.quantize_spec, dtype=args.dtype,
               awq_block_size=args.awq_block_size, report=not args.no_report,
-              report_prompts=args.report_prompts, report_tokens=args.report_tokens, report_texts=args.report_texts)
+              report_prompts=args.report_prompts, report_tokens=args.report_tokens, report_texts=args.report_texts,
+              exclude=args.exclude)
     print(out)
     return 0

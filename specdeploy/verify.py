@@ -22,7 +22,7 @@ import shutil
 import statistics
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -37,14 +37,21 @@ STAGE, OUT = "verify", "reports"
 DEPLOYMENT = Path("tensorrt_llm") / "1" / "deployment.json"
 
 
-def load_prompts(per_category: int, tokenizer: Any) -> list[tuple[str, str]]:
-    """(category, text_input): held-out ShareGPT chat turns in the model's chat template (as a chat
-    client sends them; the module was trained on that format) and HumanEval code completions.
-    Long pasted chat turns are left out: they measure prefill, not speculation."""
+class Prompt(NamedTuple):
+    category: str
+    shown: str  # what the user wrote (reports show this, not the chat template around it)
+    text_input: str  # what is sent
+
+
+def load_prompts(per_category: int, tokenizer: Any) -> list[Prompt]:
+    """Held-out ShareGPT chat turns in the model's chat template (as a chat client sends them; the
+    module was trained on that format) and HumanEval code completions. Long pasted chat turns are
+    left out: they measure prefill, not speculation."""
     from specdeploy.data import chat_text, humaneval_prompts, sharegpt_prompts
 
     chats = sharegpt_prompts(per_category, split="heldout", max_chars=800)
-    return [("chat", chat_text(tokenizer, p)) for p in chats] + [("code", p) for p in humaneval_prompts(per_category)]
+    return ([Prompt("chat", p, chat_text(tokenizer, p)) for p in chats]
+            + [Prompt("code", p, p) for p in humaneval_prompts(per_category)])
 
 
 def autoregressive_twin(cpu_repo: Path, out: Path) -> Path:
@@ -73,13 +80,13 @@ def _passes(result: ParityResult, exact: bool, near_tie: float) -> bool:
     return result.margin_at_divergence <= near_tie
 
 
-def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, decoder: Any, prompts: list[tuple[str, str]],
+def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, decoder: Any, prompts: list[Prompt],
                 max_new_tokens: int) -> list[dict[str, Any]]:
     """Interleave speculative and autoregressive requests; compute each HF reference."""
     rows = []
     for client in filter(None, (spec, ar)):  # warm-up: first requests pay one-off costs
-        client.generate(Request(prompts[0][1], max_tokens=4), stream=True)
-    for i, (category, prompt) in enumerate(tqdm(prompts, desc="verify", unit="prompt")):
+        client.generate(Request(prompts[0].text_input, max_tokens=4), stream=True)
+    for i, (category, shown, prompt) in enumerate(tqdm(prompts, desc="verify", unit="prompt")):
         request = Request(prompt, max_tokens=max_new_tokens)
         baseline = ar.generate(request, stream=True) if ar and i % 2 else None  # alternate who goes first
         served = spec.generate(request, stream=True)
@@ -90,7 +97,7 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, decoder: Any,
         parity = compare(prompt, reference, served.text, decoder.tokenizer)
         tokens = len(reference.token_ids) if parity.match else len(decoder.tokenizer(served.text, add_special_tokens=False)["input_ids"])
         rows.append({
-            "category": category, **parity.as_dict(), "tokens": tokens, "perf": served.perf,
+            "category": category, "shown": shown, **parity.as_dict(), "tokens": tokens, "perf": served.perf,
             "acceptance_length": _acceptance_length(tokens, served.perf),
             "latency_s": served.latency_s, "ttft_s": served.time_to_first_chunk_s,
             "ar_latency_s": baseline.latency_s if baseline else None,
@@ -117,7 +124,7 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
         "parity_rule": "exact" if exact else f"near-tie (margin <= {near_tie})",
         "exact_match_rate": sum(r["match"] for r in rows) / len(rows),
         "parity_ok": all(passed),
-        "divergences": [{"prompt": r["prompt"][:80], "token": r["first_divergence_token"], "margin": r["margin_at_divergence"]}
+        "divergences": [{"prompt": r["shown"][:80], "token": r["first_divergence_token"], "margin": r["margin_at_divergence"]}
                         for r in rows if not r["match"]],
         "acceptance_length": statistics.fmean(r["acceptance_length"] for r in rows),
         # total time over total time: one slow prompt weighs as much as its share of the work

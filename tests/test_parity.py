@@ -44,10 +44,11 @@ def test_parity_is_exact_only_where_the_runtime_can_be(dtype, quant, rule):
 
 
 def test_a_divergence_fails_the_exact_rule_and_passes_near_tie_only_when_small():
-    row = {"prompt": "p", "reference": "ab", "served": "ac", "match": False, "first_divergence_token": 1,
+    row = {"prompt": "<|im_start|>system\nYou are a helpful AI assistant", "shown": "Why is the sky blue?", "reference": "ab", "served": "ac", "match": False, "first_divergence_token": 1,
            "margin_at_divergence": 0.3, "tokens": 2, "acceptance_length": 1.0, "latency_s": 1.0, "ttft_s": 0.1,
            "speedup": None, "ar_latency_s": None, "category": "chat"}
-    assert not summarize([row], "float64", "exact", near_tie=1.0)["parity_ok"]
+    exact = summarize([row], "float64", "exact", near_tie=1.0)
+    assert not exact["parity_ok"] and exact["divergences"][0]["prompt"] == "Why is the sky blue?"  # not the template
     assert summarize([row], "bfloat16", "near-tie", near_tie=1.0)["parity_ok"]
     assert not summarize([row], "bfloat16", "near-tie", near_tie=0.1)["parity_ok"]
 

@@ -210,6 +210,40 @@ def test_smaller_awq_block_size_when_asked(tmp_path, tiny_llama_dir):
     assert isinstance(models.load_causal_lm(out).model.layers[0].self_attn.q_proj, Q.QuantLinear)
 
 
+def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp_path, tiny128_dir):
+    """Mixed precision: --exclude'd Linears stay bf16 in the export (named in exclude_modules),
+    the CPU loader keeps them plain, and the TRT-LLM checkpoint lists them by TRT-LLM name."""
+    from specdeploy.trtllm.convert import convert_all
+
+    build = _build(tmp_path, tiny128_dir)
+    out = Q.run(build, "fp8", "fp8", exclude=["*mlp.down_proj", "model.layers.0.self_attn.[qkv]_proj"], **FAST)
+    kept = json.loads((out / "specdeploy_quant.json").read_text())["unquantized_linears"]
+    assert kept == sorted(["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj",
+                           "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"])
+    assert build.record("quantize")["settings"]["exclude"] == ["*mlp.down_proj", "model.layers.0.self_attn.[qkv]_proj"]
+    model = models.load_causal_lm(out)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
+            assert isinstance(module, Q.QuantLinear) == (name not in kept), name
+    assert model.model.layers[0].self_attn._specdeploy_kv[0] == "fp8"  # the KV cache is still quantized
+    convert_all(out, tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "target" / "config.json").read_text())
+    assert config["quantization"]["exclude_modules"] == [
+        "lm_head", "transformer.layers.0.attention.qkv", "transformer.layers.0.mlp.proj", "transformer.layers.1.mlp.proj"]
+
+
+def test_exclude_errors_say_what_to_do(tmp_path, tiny128_dir):
+    model = models.load_causal_lm(tiny128_dir)
+    with pytest.raises(SpecDeployError, match="'\\*mlp.down' matches no quantized Linear") as err:
+        Q.excluded_linears(model, "fp8", ["*mlp.down"])
+    assert "model.layers.0.self_attn.q_proj" in err.value.hint
+    with pytest.raises(SpecDeployError, match="not model.layers.1.mlp.up_proj") as err:
+        Q.excluded_linears(model, "fp8", ["model.layers.1.mlp.gate_proj"])
+    assert "'model.layers.1.mlp.gate_proj' 'model.layers.1.mlp.up_proj'" in err.value.hint
+    with pytest.raises(SpecDeployError, match="--exclude is not supported with --qformat int8_sq"):
+        Q.run(_build(tmp_path, tiny128_dir), "int8_sq", "none", exclude=["*down_proj"], **FAST)
+
+
 def test_nvfp4_exports_but_cpu_forward_refused(tmp_path, tiny128_dir):
     build = _build(tmp_path, tiny128_dir)
     out = Q.run(build, "nvfp4", "none", calib_size=2, calib_seq_len=32, report=True, report_prompts=1, report_tokens=4, report_texts=1)

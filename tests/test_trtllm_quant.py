@@ -31,12 +31,19 @@ def _fresh(tiny_dir: Path):
     return model
 
 
-def _quantized(tiny_dir: Path, fmt: str):
+# What `quantize --exclude` keeps unquantized in the mixed-precision tests: layer 0's fused q/k/v
+# and layer 1's down_proj.
+KEPT = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+        "model.layers.1.mlp.down_proj"]
+
+
+def _quantized(tiny_dir: Path, fmt: str, keep: list[str] = ()):
     import modelopt.torch.quantization as mtq
 
     cfg = copy.deepcopy({"fp8_kv": mtq.FP8_DEFAULT_CFG, "int8_sq": mtq.INT8_SMOOTHQUANT_CFG, "int4_awq": mtq.INT4_AWQ_CFG}[fmt])
     if fmt == "fp8_kv":
         cfg["quant_cfg"] = list(cfg["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"])
+    cfg["quant_cfg"] = list(cfg["quant_cfg"]) + [{"quantizer_name": f"{name}.*", "enable": False} for name in keep]
     model = _fresh(tiny_dir)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     mtq.quantize(model, cfg, lambda m: m(ids))
@@ -66,6 +73,23 @@ def exports(tiny128, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         with torch.inference_mode():
             export_hf_checkpoint(_quantized(tiny128, fmt), export_dir=hf)
             export_tensorrt_llm_checkpoint(_quantized(tiny128, fmt), "llama", torch.bfloat16, export_dir=trt, inference_tensor_parallel=1)
+        out[fmt] = (hf, trt)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed_exports(tiny128, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Like `exports`, with KEPT unquantized (quantize --exclude)."""
+    from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
+
+    root = tmp_path_factory.mktemp("mixed_exports")
+    out = {}
+    for fmt in ("fp8_kv", "int4_awq"):
+        hf, trt = root / f"{fmt}_hf", root / f"{fmt}_trt"
+        with torch.inference_mode():
+            export_hf_checkpoint(_quantized(tiny128, fmt, KEPT), export_dir=hf)
+            export_tensorrt_llm_checkpoint(_quantized(tiny128, fmt, KEPT), "llama", torch.bfloat16, export_dir=trt,
+                                           inference_tensor_parallel=1)
         out[fmt] = (hf, trt)
     return out
 
@@ -124,6 +148,51 @@ def test_quantized_tensor_parallel_matches_modelopt_trtllm_export(tiny128, expor
                                        inference_tensor_parallel=2)
     convert_all(exports[fmt][0], tmp_path / "ours", tp=2)
     _compare_ranks(tmp_path / "ours" / "target", tmp_path / "oracle", fmt, 2)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_kv", "int4_awq"])
+def test_mixed_precision_checkpoint_matches_modelopt_trtllm_export(mixed_exports, tmp_path, fmt):
+    """Linears kept unquantized: named in exclude_modules as ModelOpt's TRT-LLM export names them,
+    stored in the model dtype without scales; the quantized rest as before; the reader gives the
+    kept weights back unchanged."""
+    hf, oracle_dir = mixed_exports[fmt]
+    convert_all(hf, tmp_path)
+    q = json.loads((tmp_path / "target" / "config.json").read_text())["quantization"]
+    oracle = json.loads((oracle_dir / "config.json").read_text())["quantization"]
+    assert set(q["exclude_modules"]) == set(oracle["exclude_modules"]) == {
+        "lm_head", "transformer.layers.0.attention.qkv", "transformer.layers.1.mlp.proj"}
+    _compare_ranks(tmp_path / "target", oracle_dir, fmt, 1)
+    ours = load_file(str(tmp_path / "target" / "rank0.safetensors"))
+    assert ours["transformer.layers.0.attention.qkv.weight"].dtype == torch.bfloat16
+    assert not any(k.startswith("transformer.layers.1.mlp.proj.") and not k.endswith(".weight") for k in ours)
+    src, back = load_file(str(hf / "model.safetensors")), read_checkpoint(tmp_path / "target").tensors
+    for name in KEPT + ["model.layers.0.mlp.down_proj.weight_scale"]:
+        key = name if name.endswith("scale") else f"{name}.weight"
+        assert torch.equal(back[key].reshape(-1), src[key].reshape(-1)), key
+
+
+def test_mixed_precision_refuses_pipeline_parallel_and_split_fused_gemms(mixed_exports, tmp_path):
+    from safetensors.torch import save_file
+
+    from specdeploy.errors import SpecDeployError
+
+    hf, _ = mixed_exports["fp8_kv"]
+    with pytest.raises(SpecDeployError, match="pipeline stage's local layer names") as err:
+        convert_all(hf, tmp_path / "pp", pp=2)
+    assert "--pp-size 1" in err.value.hint
+    split = tmp_path / "split"  # only up_proj of layer 0 unquantized: TRT-LLM fuses it with gate_proj
+    split.mkdir()
+    for f in hf.iterdir():
+        if f.name != "model.safetensors":
+            (split / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(hf / "model.safetensors"))
+    up = "model.layers.0.mlp.up_proj"
+    tensors[f"{up}.weight"] = tensors[f"{up}.weight"].float().to(torch.bfloat16)
+    for suffix in ("weight_scale", "input_scale"):
+        tensors.pop(f"{up}.{suffix}")
+    save_file(tensors, str(split / "model.safetensors"))
+    with pytest.raises(SpecDeployError, match="mlp.up_proj unquantized but mlp.gate_proj quantized"):
+        convert_all(split, tmp_path / "split_out")
 
 
 def test_fp8_fused_qkv_uses_the_max_scale_within_one_fp8_step(exports, tmp_path):

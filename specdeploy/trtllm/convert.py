@@ -32,8 +32,8 @@ from specdeploy.fileio import atomic_write_bytes, atomic_write_json
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.trtllm import specmodules
 from specdeploy.trtllm.formats import MAX_EAGLE_DRAFT_LEN
-from specdeploy.trtllm.source import HFSource, Quant, load_hf_source
-from specdeploy.trtllm.weights import kv_rep, layer_rank, pad_rows, slice_role
+from specdeploy.trtllm.source import HFSource, load_hf_source
+from specdeploy.trtllm.weights import kv_rep, layer_rank, pad_rows, slice_role, unquantized_linears
 
 STAGE, OUT = "convert", "trtllm_ckpt"
 KINDS = ("none", "medusa", "eagle", "draft", "ngram")
@@ -92,19 +92,23 @@ def _refuse_quantized_module(module: dict[str, torch.Tensor]) -> None:
 
 # ------------------------------------------------------------------------------- config.json
 
-def quant_config(quant: Quant, kind: str) -> dict[str, Any]:
-    """QuantConfig dict (modeling_utils.QuantConfig); the spec module stays unquantized."""
-    allowed = {"lm_head", "model.embed_tokens"}
-    odd = [m for m in quant.exclude if m not in allowed]
-    if odd:
-        raise SpecDeployError(
-            f"per-layer quantization exclusions {odd} are not supported by the converter",
-            hint="quantize every decoder layer the same way (mixed precision needs TRT-LLM's quant_cfg.json)",
-        )
+def quant_config(src: HFSource, kind: str, pp: int = 1) -> dict[str, Any]:
+    """QuantConfig dict (modeling_utils.QuantConfig). exclude_modules lists what stays in the
+    model dtype: lm_head, the spec module, and the decoder Linears `quantize --exclude` kept,
+    by name as ModelOpt's TRT-LLM export does (TRT-LLM's quantize_layers fnmatches them)."""
+    quant = src.quant
     out: dict[str, Any] = {"quant_algo": quant.algo, "kv_cache_quant_algo": quant.kv_algo}
     if quant.algo:
+        kept = unquantized_linears(src.tensors, src.dims.layers)
+        if kept and pp > 1:
+            raise SpecDeployError(
+                f"{len(kept)} decoder Linears are unquantized (quantize --exclude) and --pp-size is {pp}: TRT-LLM matches "
+                "exclude_modules against each pipeline stage's local layer names, so they would land on the wrong layers",
+                hint="use --pp-size 1 (or --tp-size) for a mixed-precision checkpoint, or quantize without --exclude",
+            )
         # The embedding is not a quantized GEMM in TRT-LLM; lm_head stays in the model dtype.
-        out["exclude_modules"] = ["lm_head"] + {"medusa": ["medusa_heads*"], "eagle": ["eagle_nets*"]}.get(kind, [])
+        spec_module = {"medusa": ["medusa_heads*"], "eagle": ["eagle_nets*"]}.get(kind, [])
+        out["exclude_modules"] = ["lm_head", *spec_module, *kept]
     if quant.algo == "W4A16_AWQ":
         out.update(group_size=quant.group_size, has_zero_point=False, pre_quant_scale=True)
     return out
@@ -134,7 +138,7 @@ def base_config(src: HFSource, tp: int, pp: int, kind: str = "none") -> dict[str
         "rotary_base": d.rope_theta,
         "rotary_scaling": d.rope_scaling,
         "mapping": mapping_dict(tp, pp),
-        "quantization": quant_config(src.quant, kind),
+        "quantization": quant_config(src, kind, pp),
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
         "mlp_bias": False,

@@ -20,10 +20,9 @@ import torch
 from specdeploy.errors import SpecDeployError
 from specdeploy.trtllm.source import Dims, dims_of
 from specdeploy.trtllm.specmodules import MedusaShape, medusa_from_trt
-from specdeploy.trtllm.weights import TRT_TO_ROLE, merge_role, split_qkv, undup_heads
+from specdeploy.trtllm.weights import LAYER_LINEARS, TRT_TO_ROLE, merge_role, split_qkv, undup_heads
 
-LINEARS = {"attention.dense": ("self_attn.o_proj", "row"), "mlp.fc": ("mlp.gate_proj", "col"),
-           "mlp.gate": ("mlp.up_proj", "col"), "mlp.proj": ("mlp.down_proj", "row")}
+LINEARS = {trt: (hf, kind) for hf, (trt, kind) in LAYER_LINEARS.items()}
 NORMS = {"input_layernorm.weight": "input_layernorm.weight", "post_layernorm.weight": "post_attention_layernorm.weight"}
 
 

@@ -4,7 +4,7 @@ read into tensors + the model dimensions the TRT-LLM config needs."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ class Quant:
     algo: str | None = None
     kv_algo: str | None = None
     group_size: int = 128
-    exclude: list[str] = field(default_factory=list)
 
     @property
     def any(self) -> bool:
@@ -113,7 +112,7 @@ def read_quant(path: Path) -> Quant:
             f"{file}: quant_algo={algo!r}, kv_cache_quant_algo={kv!r} is not supported by the TRT-LLM converter",
             hint="supported: FP8, W8A8_SQ_PER_CHANNEL (int8_sq), W4A16_AWQ (int4_awq), with optional FP8 KV cache",
         )
-    return Quant(algo, kv, int(q.get("group_size") or 128), list(q.get("exclude_modules") or []))
+    return Quant(algo, kv, int(q.get("group_size") or 128))
 
 
 def _dtype_name(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:

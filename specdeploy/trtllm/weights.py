@@ -26,6 +26,11 @@ ROLE_TO_TRT = {
     "pre_quant_scale": "prequant_scaling_factor",
 }
 TRT_TO_ROLE = {v: k for k, v in ROLE_TO_TRT.items()}
+# A decoder layer's HF Linears -> (TRT-LLM module, tensor-parallel split); q/k/v fuse into one
+# attention.qkv.
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+LAYER_LINEARS = {"self_attn.o_proj": ("attention.dense", "row"), "mlp.gate_proj": ("mlp.fc", "col"),
+                 "mlp.up_proj": ("mlp.gate", "col"), "mlp.down_proj": ("mlp.proj", "row")}
 
 
 def _split(t: torch.Tensor, dim: int, parts: int, index: int, what: str) -> torch.Tensor:
@@ -98,18 +103,20 @@ def _fp8_requant(parts: list[dict[str, torch.Tensor]]) -> tuple[list[torch.Tenso
 
 
 def fuse_columns(parts: list[dict[str, torch.Tensor]], quant: Quant, dtype: torch.dtype, in_features: int) -> dict[str, torch.Tensor]:
-    """q/k/v slices of one rank -> attention.qkv tensors."""
+    """q/k/v slices of one rank -> attention.qkv tensors (unquantized when --exclude kept them)."""
     out: dict[str, torch.Tensor] = {}
-    if quant.algo == "FP8":
+    quantized = "weight_scale" in parts[0]
+    if quantized and quant.algo == "FP8":
         weights, scale = _fp8_requant(parts)
         out["weight"], out["weights_scaling_factor"] = torch.cat(weights), scale
     else:
         out["weight"] = torch.cat([p["weight"] for p in parts])
-        if quant.algo:
+        if quantized:
             out["weights_scaling_factor"] = torch.cat([p["weight_scale"].float() for p in parts])
     if "bias" in parts[0]:
         out["bias"] = torch.cat([p["bias"] for p in parts])
-    out.update(_input_scales(parts[0], quant, dtype, in_features, [p.get("input_scale") for p in parts]))
+    if quantized:
+        out.update(_input_scales(parts[0], quant, dtype, in_features, [p.get("input_scale") for p in parts]))
     return out
 
 
@@ -158,7 +165,7 @@ def _prefixed(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
 def _qkv_rank(tensors: dict, attn: str, dims: Dims, quant: Quant, tp: int, rank: int, dtype: torch.dtype) -> dict:
     rep = kv_rep(dims, tp)
     parts = []
-    for name in ("q_proj", "k_proj", "v_proj"):
+    for name in (hf.removeprefix("self_attn.") for hf in QKV):
         roles = linear_roles(tensors, f"{attn}.{name}")
         if name != "q_proj":
             roles = {r: dup_heads(t, dims.kv_heads, rep) if r in ("weight", "bias") or (r == "weight_scale" and t.dim() >= 1) else t for r, t in roles.items()}
@@ -169,9 +176,7 @@ def _qkv_rank(tensors: dict, attn: str, dims: Dims, quant: Quant, tp: int, rank:
 def layer_rank(tensors: dict, hf_prefix: str, dims: Dims, quant: Quant, tp: int, rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """All TRT-LLM tensors of one decoder layer on one TP rank (names relative to the layer)."""
     out = _prefixed("attention.qkv", _qkv_rank(tensors, f"{hf_prefix}.self_attn", dims, quant, tp, rank, dtype))
-    linears = {"self_attn.o_proj": ("attention.dense", "row")}
-    linears.update({f"mlp.{hf}": trt for hf, trt in (("gate_proj", ("mlp.fc", "col")), ("up_proj", ("mlp.gate", "col")), ("down_proj", ("mlp.proj", "row")))})
-    for hf, (trt, kind) in linears.items():
+    for hf, (trt, kind) in LAYER_LINEARS.items():
         roles = linear_roles(tensors, f"{hf_prefix}.{hf}")
         roles = {r: slice_role(r, t, kind, tp, rank, f"{hf_prefix}.{hf}.{r}") for r, t in roles.items()}
         out.update(_prefixed(trt, single_linear(roles, quant, dtype)))
@@ -181,6 +186,25 @@ def layer_rank(tensors: dict, hf_prefix: str, dims: Dims, quant: Quant, tp: int,
     if quant.kv_algo == "FP8":
         out.update(_prefixed("attention", kv_cache_scales(tensors, f"{hf_prefix}.self_attn")))
     return out
+
+
+def unquantized_linears(tensors: dict[str, torch.Tensor], layers: int) -> list[str]:
+    """TRT-LLM names of the decoder Linears a quantized checkpoint keeps in the model dtype
+    (stored without weight_scale: `quantize --exclude`), as ModelOpt's TRT-LLM export lists
+    them in exclude_modules. TRT-LLM runs q/k/v and gate/up as one GEMM each: all or none."""
+    names = []
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}"
+        kept = {hf for hf in (*QKV, *LAYER_LINEARS) if f"{prefix}.{hf}.weight_scale" not in tensors}
+        for group in (set(QKV), {"mlp.gate_proj", "mlp.up_proj"}):
+            if kept & group and not group <= kept:
+                raise SpecDeployError(
+                    f"{prefix}: {', '.join(sorted(kept & group))} unquantized but {', '.join(sorted(group - kept))} quantized",
+                    hint="TensorRT-LLM runs these as one GEMM: quantize (or --exclude) them together")
+        if kept & set(QKV):
+            names.append(f"transformer.layers.{layer}.attention.qkv")
+        names += [f"transformer.layers.{layer}.{LAYER_LINEARS[hf][0]}" for hf in LAYER_LINEARS if hf in kept]
+    return names
 
 
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -220,7 +244,7 @@ def split_qkv(rank_tensors: dict[str, torch.Tensor], dims: Dims, tp: int, packed
         if role is None:
             continue
         if role == "weight":
-            div = 2 if packed else 1
+            div = 2 if packed and t.dtype == torch.int8 else 1  # an --exclude'd qkv is not packed
             chunks = t.split([q // div, kv // div, kv // div])
         elif role == "bias" or (role == "weight_scale" and t.numel() > 1):
             chunks = t.split([q, kv, kv])
