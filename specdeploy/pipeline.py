@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
 from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPES
 
 console = Console()
@@ -128,9 +128,18 @@ def print_summary(build: BuildDir, rows: list[dict], opts: EngineOptions) -> Non
             "container (see build_scripts/README.md); the engine-flow Triton repository is "
             f"{build.path('triton_repo')}/engine."
         )
-    flags = f"MODEL={opts.model} SPEC={opts.spec} QUANT={opts.quant}" + (f" DRAFT={opts.draft}" if opts.draft else "")
     console.print(f"CPU model repository (served here): {build.path('triton_repo')}/cpu")
-    console.print(f"Next: [bold]make serve {flags}[/bold]   then   [bold]make verify {flags}[/bold]")
+    console.print(f"Next: {next_commands(build, opts)}")
+
+
+def next_commands(build: BuildDir, opts: EngineOptions) -> str:
+    """How to serve and verify this build: make variables when they name it, else the CLI."""
+    if build.root.name != build_name(opts.model, opts.spec, opts.quant):  # an explicit --build-dir
+        return f"specdeploy serve --build-dir {build.root}   then   specdeploy verify --build-dir {build.root}"
+    flags = f"MODEL={opts.model} SPEC={opts.spec} QUANT={opts.quant}" + (f" DRAFT={opts.draft}" if opts.draft else "")
+    if build.root.parent.resolve() != Path("build").resolve():
+        flags += f" BUILD={build.root.parent}"
+    return f"make serve {flags}   then   make verify {flags}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -142,3 +142,14 @@ def test_bench_served_rows(engine_build, tmp_path):
     result = json.loads(out.read_text())
     assert result["served"]["new_tokens"] == result["inprocess"]["new_tokens"] > 0  # same work on both sides
     assert result["served_over_inprocess"] > 0 and result["served"]["ttft_median_s"] > 0
+
+
+def test_next_commands_name_the_build_that_was_made(tmp_path):
+    from specdeploy.pipeline import EngineOptions, next_commands
+
+    opts = EngineOptions(model="smollm2-135m", spec="eagle", quant="fp8")
+    assert next_commands(BuildDir(Path("build") / "smollm2-135m-eagle-fp8"), opts) == (
+        "make serve MODEL=smollm2-135m SPEC=eagle QUANT=fp8   then   make verify MODEL=smollm2-135m SPEC=eagle QUANT=fp8")
+    elsewhere = next_commands(BuildDir(tmp_path / "smollm2-135m-eagle-fp8"), opts)
+    assert f"make serve MODEL=smollm2-135m SPEC=eagle QUANT=fp8 BUILD={tmp_path} " in elsewhere
+    assert next_commands(BuildDir(tmp_path / "mine"), opts).startswith(f"specdeploy serve --build-dir {tmp_path / 'mine'}")
