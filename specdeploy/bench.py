@@ -50,6 +50,7 @@ class Bench:
     draft_len: int | None = None
     spec_dirs: dict[str, str] = field(default_factory=dict)
     lookup_tokens: int = 10
+    adaptive: bool = False  # the runtime's fallback to plain decoding; deployments speculate every step
 
     def runner(self, method: str) -> Callable[[list[int]], Run]:
         if method == "ar":
@@ -80,7 +81,7 @@ class Bench:
 
         def run(ids: list[int]) -> Run:
             start = time.perf_counter()
-            result = generate(self.target, ids, params, proposer, draft_len=self.draft_len)
+            result = generate(self.target, ids, params, proposer, draft_len=self.draft_len, adaptive=self.adaptive)
             return Run(result.token_ids, time.perf_counter() - start, result.metrics.target_forwards)
 
         return run
@@ -256,6 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-dir", action="append", default=[], metavar="KIND=PATH",
                         help="trained module for a medusa/eagle row (repeatable; default: the newest one "
                              "`make engine` trained for --model under --build-root)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="let the runtime fall back to plain decoding while speculation does not pay "
+                             "(default: speculate every step, as the deployments do)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--build-root", default="build", help="results go to <build-root>/bench/ unless --out")
     parser.add_argument("--out", help="JSON results path")
@@ -302,7 +306,7 @@ def main(args: argparse.Namespace) -> int:
     draft = load_model(resolve_model_dir(args.draft), args.dtype)[0] if needs_draft else None
     chat = args.prompts == "sharegpt" if args.chat is None else args.chat
     prompts = load_prompts(args.prompts, args.num_prompts, tokenizer, chat)
-    bench = Bench(target, draft, args.max_new_tokens, args.draft_len, spec_dirs)
+    bench = Bench(target, draft, args.max_new_tokens, args.draft_len, spec_dirs, adaptive=args.adaptive)
     load_before = os.getloadavg()
     results = run_bench(bench, prompts, methods)
     results["settings"] = vars(args)
@@ -311,7 +315,8 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.build_root) / "bench" / name
     atomic_write_json(out, results)
     pair = f"{args.model} + {args.draft}" if draft is not None else args.model
-    title = f"{pair}, {args.dtype}, greedy, {len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens"
+    title = (f"{pair}, {args.dtype}, greedy, {len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens"
+             + (", adaptive" if args.adaptive else ""))
     print_table(results["methods"], title)
     print(f"results: {out}")
     return 0

@@ -73,3 +73,20 @@ def test_bench_finds_the_modules_make_engine_trained_for_the_model(tmp_path):
     assert trained_modules(tmp_path, "m") == {"eagle": str(tmp_path / "m-eagle-fp8" / "spec"),
                                               "medusa": str(tmp_path / "m-medusa-none" / "spec")}
     assert trained_modules(tmp_path, "nothing") == {}
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_bench_speculates_every_step_unless_adaptive(target, tokenizer, monkeypatch, adaptive):
+    """Like the deployments: the module's own acceptance unless --adaptive asks for the fallback."""
+    import specdeploy.bench as bench_module
+
+    seen = []
+    real = bench_module.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("adaptive"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_module, "generate", spy)
+    Bench(target, None, 4, adaptive=adaptive).runner("ngram")(tokenizer(PROMPTS[0])["input_ids"])
+    assert seen == [adaptive]
