@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specdeploy.errors import SpecDeployError
+from specdeploy.quantize import FUSED_GROUPS
 from specdeploy.trtllm.source import Dims, Quant
 
 # HF unified-checkpoint suffix -> TRT-LLM parameter suffix.
@@ -191,12 +192,13 @@ def layer_rank(tensors: dict, hf_prefix: str, dims: Dims, quant: Quant, tp: int,
 def unquantized_linears(tensors: dict[str, torch.Tensor], layers: int) -> list[str]:
     """TRT-LLM names of the decoder Linears a quantized checkpoint keeps in the model dtype
     (stored without weight_scale: `quantize --exclude`), as ModelOpt's TRT-LLM export lists
-    them in exclude_modules. TRT-LLM runs q/k/v and gate/up as one GEMM each: all or none."""
+    them in exclude_modules. TRT-LLM runs each of FUSED_GROUPS as one GEMM: all or none."""
     names = []
     for layer in range(layers):
         prefix = f"model.layers.{layer}"
         kept = {hf for hf in (*QKV, *LAYER_LINEARS) if f"{prefix}.{hf}.weight_scale" not in tensors}
-        for group in (set(QKV), {"mlp.gate_proj", "mlp.up_proj"}):
+        for leaves in FUSED_GROUPS:
+            group = {hf for hf in (*QKV, *LAYER_LINEARS) if hf.rpartition(".")[2] in leaves}
             if kept & group and not group <= kept:
                 raise SpecDeployError(
                     f"{prefix}: {', '.join(sorted(kept & group))} unquantized but {', '.join(sorted(group - kept))} quantized",
