@@ -237,9 +237,10 @@ def _forward_loop(batches: list[torch.Tensor], desc: str) -> Callable[[nn.Module
 
 
 def quantize_model(model: nn.Module, qformat: str, kv_cache: str, batches: list[torch.Tensor],
-                   awq_block_size: int = 128, exclude: Iterable[str] = ()) -> nn.Module:
-    """ModelOpt PTQ in place (the model should already be bf16/fp16: export casts nothing)."""
-    config = quant_config(qformat, kv_cache, awq_block_size, excluded_linears(model, qformat, exclude))
+                   awq_block_size: int = 128, keep: Iterable[str] = ()) -> nn.Module:
+    """ModelOpt PTQ in place (the model should already be bf16/fp16: export casts nothing);
+    `keep`: Linear names left unquantized (excluded_linears resolves --exclude patterns)."""
+    config = quant_config(qformat, kv_cache, awq_block_size, keep)
     if config is None:
         return model
     check_block_size(model, qformat, awq_block_size)
