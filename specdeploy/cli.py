@@ -31,11 +31,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("specdeploy")
+    except metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH) without installing
+        return "(not installed)"
+
+
 def _parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdeploy",
         description="Ship an LLM with speculative decoding: ModelOpt -> TensorRT-LLM -> Triton, verified.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     for name, (module, help_text) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)

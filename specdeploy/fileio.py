@@ -56,3 +56,45 @@ def load_safetensors_dir(path: str | os.PathLike, hint: str) -> dict[str, Any]:
     for file in files:
         tensors.update(load_file(str(file)))
     return tensors
+
+
+def cache_dir() -> Path:
+    """$SPECDEPLOY_CACHE, default ~/.cache/specdeploy: conversions, self-distillation data, hashes."""
+    root = os.environ.get("SPECDEPLOY_CACHE") or Path.home() / ".cache" / "specdeploy"
+    return Path(root).expanduser()
+
+
+def cached_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's content, computed once and remembered by (path, size, mtime_ns).
+
+    Caches and completion checks are keyed on content, never on sizes: two fine-tunes of one
+    architecture have identical sizes. Rehashing a 16 GB checkpoint on every run would cost
+    minutes, so the digest is kept in $SPECDEPLOY_CACHE/hashes/ and recomputed when the file's
+    size or modification time changes (a rewrite always changes one of them in practice).
+    """
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}".encode()).hexdigest()
+    memo = cache_dir() / "hashes" / key[:2] / key
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = sha256_file(path)
+    try:
+        atomic_write_text(memo, digest)
+    except OSError:
+        pass  # a read-only cache only costs the rehash next time
+    return digest
+
+
+def content_fingerprint(folder: str | os.PathLike, suffixes: tuple[str, ...] | None = None) -> dict[str, str]:
+    """{file name: sha256} of a folder's files (optionally only those ending in `suffixes`)."""
+    folder = Path(folder)
+    return {
+        p.name: cached_sha256(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and not p.name.startswith(".") and (suffixes is None or p.name.endswith(suffixes))
+    }

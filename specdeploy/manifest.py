@@ -5,7 +5,9 @@ is done; only then is it recorded in manifest.json (written atomically). An inte
 leaves a temp folder that the next run deletes, so a rerun resumes at the first incomplete stage.
 
 A stage is complete when the manifest holds it with the same settings, the same fingerprints of
-the stages it consumed, and its output files still present with their recorded sizes.
+the stages it consumed, and its output files still present with their recorded content (sha256,
+remembered per file by size and mtime: fileio.cached_sha256). Each record also says which device
+the stage computed on.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, sha256_file
+from specdeploy.fileio import atomic_write_json, cached_sha256
 
 MANIFEST = "manifest.json"
 _VERSIONED = ("specdeploy", "torch", "transformers", "nvidia-modelopt", "tensorrt_llm")
@@ -114,14 +116,19 @@ class BuildDir:
         out = self.root / record["out_dir"]
         return all(
             (out / rel).is_file() and (out / rel).stat().st_size == info["bytes"]
+            and cached_sha256(out / rel) == info["sha256"]
             for rel, info in record["outputs"].items()
         )
 
     @contextmanager
     def stage(
-        self, stage: str, out_dir: str, settings: dict[str, Any], consumes: tuple[str, ...] = ()
+        self, stage: str, out_dir: str, settings: dict[str, Any], consumes: tuple[str, ...] = (),
+        device: str | None = None,
     ) -> Iterator[Path]:
-        """Yield a fresh temp folder; on success rename it to `out_dir` and record the stage."""
+        """Yield a fresh temp folder; on success rename it to `out_dir` and record the stage.
+
+        `device` (device.describe()) is recorded beside the settings, not in them: a stage
+        completed on one device stays complete when the build is mounted on another host."""
         inputs = {name: self.fingerprint(name) for name in consumes}
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{out_dir}.partial"
@@ -136,14 +143,14 @@ class BuildDir:
             os.rename(final, stale)
             shutil.rmtree(stale)
         os.rename(tmp, final)
-        self._write_record(stage, out_dir, settings, inputs, started)
+        self._write_record(stage, out_dir, settings, inputs, started, device)
 
     def _write_record(
-        self, stage: str, out_dir: str, settings: dict, inputs: dict, started: float
+        self, stage: str, out_dir: str, settings: dict, inputs: dict, started: float, device: str | None
     ) -> None:
         out = self.root / out_dir
         outputs = {
-            str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": cached_sha256(p)}
             for p in sorted(out.rglob("*"))
             if p.is_file() and not p.is_symlink()
         }
@@ -154,6 +161,7 @@ class BuildDir:
             "inputs": inputs,
             "outputs": outputs,
             "versions": _versions(),
+            **({"device": device} if device else {}),
             "seconds": round(time.time() - started, 2),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

@@ -19,6 +19,7 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
+from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
 from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPES
@@ -33,6 +34,9 @@ KV_CACHE_FOR = {"fp8": "fp8", "nvfp4": "fp8", "w4a8_awq": "fp8"}
 @dataclass
 class EngineOptions:
     model: str = "smollm2-135m"
+    device: str = "auto"  # device.resolve_device: every computing stage runs there
+    allow_pickle: bool = False  # resolve: accept pickle weights (runs pickle)
+    trust_remote_code: bool = False  # resolve and every loader: a config with a remote-code auto_map
     spec: str = "eagle"
     quant: str = "fp8"
     draft: str | None = None
@@ -56,23 +60,29 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
     from specdeploy.trtllm import build as trt_build, convert
 
     draft_dir = _draft_dir(build, opts)
-    steps: list[tuple[str, Callable[[], Path]]] = [("resolve", lambda: models.run(build, opts.model))]
+    loader = {"device": opts.device, "trust_remote_code": opts.trust_remote_code}
+    steps: list[tuple[str, Callable[[], Path]]] = [
+        ("resolve", lambda: models.run(build, opts.model, allow_pickle=opts.allow_pickle,
+                                       trust_remote_code=opts.trust_remote_code)),
+    ]
     if opts.spec in TRAINED_SPECS:
         from specdeploy.spec import commands as spec
 
-        steps.append(("spec", lambda: spec.run(build, opts.spec, preset=opts.spec_preset, **(opts.spec_overrides or {}))))
+        overrides = {k: v for k, v in (opts.spec_overrides or {}).items() if v is not None}
+        steps.append(("spec", lambda: spec.run(build, opts.spec, preset=opts.spec_preset, **loader, **overrides)))
     kv_cache = opts.kv_cache or KV_CACHE_FOR.get(opts.quant, "none")
     kind = None if opts.spec == "none" else opts.spec
     chain_len = opts.max_draft_len if opts.spec in ("draft", "ngram") else None  # trees: the spec stage's own
     steps += [
         ("quantize", lambda: quantize.run(build, opts.quant, kv_cache, quantize_spec=opts.quantize_spec,
                                            calib_size=opts.calib_size, report=opts.quant_report,
-                                           exclude=opts.quant_exclude)),
+                                           exclude=opts.quant_exclude, **loader)),
         ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind,
                                         draft_model=draft_dir, max_draft_len=chain_len)),
         ("build", lambda: trt_build.run(build)),
         ("package", lambda: package.run(build, spec=opts.spec, max_draft_len=chain_len,
-                                        draft_model_dir=draft_dir, dtype=opts.serve_dtype, adaptive=opts.adaptive)),
+                                        draft_model_dir=draft_dir, dtype=opts.serve_dtype, adaptive=opts.adaptive,
+                                        device=opts.device)),
     ]
     return steps
 
@@ -144,6 +154,10 @@ def next_commands(build: BuildDir, opts: EngineOptions) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
+    add_device_arg(parser)
+    parser.add_argument("--allow-pickle", action="store_true", help="resolve: accept pytorch_model.bin / *.pt weights (runs pickle)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="resolve and every loader: accept a config with a remote-code auto_map")
     parser.add_argument("--draft", help="SPEC=draft: the draft model (folder, .gguf or bundled name)")
     parser.add_argument("--kv-cache", choices=["fp8", "none"], help="KV-cache quantization (default: follows --quant)")
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
@@ -166,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     opts = EngineOptions(
-        model=args.model, spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
+        model=args.model, device=args.device, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
+        spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
         spec_preset=args.spec_preset, quantize_spec=args.quantize_spec, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
         tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,

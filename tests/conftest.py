@@ -10,6 +10,25 @@ from tests.tiny import make_llama, make_tokenizer
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu` need CUDA: where torch sees none they are reported as skipped with
+    the reason (never as passed); `make test-gpu` runs only them."""
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device; torch {torch.__version__} sees none here (run `make test-gpu` on a GPU host)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_device() -> torch.device:
+    """The GPU a `gpu` test runs on."""
+    return torch.device("cuda", torch.cuda.current_device())
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:

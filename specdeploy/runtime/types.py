@@ -118,6 +118,15 @@ class Proposer(ABC):
         """Called after each verification with how many proposed tokens were accepted."""
 
 
+def acceptance_length(accepted_draft_tokens: int, target_forwards: int) -> float:
+    """The project's one definition, TensorRT-LLM's: (accepted draft tokens + 1 per target
+    forward) / target forwards, the prefill not counted. 1.0 = plain decoding. Aggregates sum
+    both counts over requests first (a mean of per-request ratios weighs short answers up)."""
+    if target_forwards <= 0:
+        return 1.0
+    return (accepted_draft_tokens + target_forwards) / target_forwards
+
+
 @dataclass
 class GenerationMetrics:
     prompt_tokens: int = 0
@@ -130,8 +139,8 @@ class GenerationMetrics:
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens emitted per target forward (1.0 = plain decoding)."""
-        return self.new_tokens / max(self.target_forwards, 1)
+        """TensorRT-LLM's acceptance length (see `acceptance_length`)."""
+        return acceptance_length(self.accepted_draft_tokens, self.target_forwards)
 
     @property
     def acceptance_rate(self) -> float:

@@ -1,0 +1,88 @@
+"""Where compute runs: `--device auto|cpu|cuda|cuda:N`, and the dtypes that fit the device.
+
+Every stage that computes takes a device through `add_device_arg` and turns it into a
+`torch.device` with `resolve_device`; nothing else in the project decides where tensors live.
+`auto` is CUDA when torch sees a GPU, else the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import TYPE_CHECKING
+
+from specdeploy.errors import SpecDeployError
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_HELP = "where to compute: auto (CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N"
+
+
+def add_device_arg(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    parser.add_argument("--device", default=default, type=check_device_spec, help=DEVICE_HELP)
+
+
+def check_device_spec(spec: str) -> str:
+    """argparse type: the spelling is checked at parse time, availability when resolved."""
+    spec = spec.strip().lower()
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", spec):
+        raise argparse.ArgumentTypeError(f"'{spec}' is not a device; use auto, cpu, cuda or cuda:N")
+    return spec
+
+
+def resolve_device(spec: "str | torch.device | None" = "auto") -> "torch.device":
+    """auto|cpu|cuda|cuda:N (or a torch.device) -> torch.device, refusing a GPU torch cannot see."""
+    import torch
+
+    if isinstance(spec, torch.device):
+        return spec
+    spec = check_device_spec(spec or "auto")
+    if spec == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SpecDeployError(
+            f"--device {spec}: torch {torch.__version__} sees no CUDA device here",
+            hint="use --device cpu (or auto), or run on a GPU host with a CUDA build of torch",
+        )
+    device = torch.device(spec)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise SpecDeployError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible",
+                              hint="pick an index below that, or check CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", index)
+
+
+def describe(device: "torch.device") -> str:
+    """One line for logs and manifests: 'cuda:0 (NVIDIA H100 80GB HBM3)' / 'cpu (2 threads)'."""
+    import torch
+
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def announce(stage: str, device: "torch.device") -> str:
+    """Print which device a stage computes on (every stage says so) and return the description."""
+    import sys
+
+    text = describe(device)
+    print(f"specdeploy {stage}: computing on {text}", file=sys.stderr)
+    return text
+
+
+def frozen_dtype(device: "torch.device") -> "torch.dtype":
+    """The dtype of a frozen base model that only feeds training/calibration: bf16 on a GPU
+    (half the memory of fp32, tensor cores); float32 on the CPU, where the bf16 path is exact
+    only at the price of slow kernels on machines without AMX."""
+    import torch
+
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def world() -> tuple[int, int]:
+    """(rank, world_size) under torchrun / accelerate launch; (0, 1) when run alone."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
