@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, cached_sha256
+from specdeploy.quantize.formats import QUANT_FORMATS
 
 MANIFEST = "manifest.json"
 _VERSIONED = ("specdeploy", "torch", "transformers", "nvidia-modelopt", "tensorrt_llm")
@@ -60,7 +61,7 @@ def add_build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--build-root", default="build", help="parent of build directories (default: build)")
     parser.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf file or bundled name")
     parser.add_argument("--spec", default="eagle", choices=["eagle", "medusa", "draft", "ngram", "none"])
-    parser.add_argument("--quant", default="fp8", help="fp8|int8_sq|int4_awq|w4a8_awq|nvfp4|none")
+    parser.add_argument("--quant", default="fp8", choices=QUANT_FORMATS, help="ModelOpt quantization format of the base")
 
 
 def build_from_args(args: argparse.Namespace) -> "BuildDir":

@@ -31,11 +31,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import util as importlib_util
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, sha256_file
+from specdeploy.fileio import atomic_write_json, cache_dir, content_fingerprint, sha256_file
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+
+if TYPE_CHECKING:
+    import torch
 
 STAGE = "resolve"
 OUT = "base"
@@ -98,12 +101,6 @@ ACCEPTED_FORMS = (
 # ----------------------------------------------------------------------------- cache helpers
 
 
-def cache_dir() -> Path:
-    """$SPECDEPLOY_CACHE, default ~/.cache/specdeploy."""
-    root = os.environ.get("SPECDEPLOY_CACHE") or Path.home() / ".cache" / "specdeploy"
-    return Path(root).expanduser()
-
-
 @contextmanager
 def _locked(name: str) -> Iterator[None]:
     """An exclusive lock across processes, so two callers never build the same cache entry."""
@@ -147,7 +144,8 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "auto") -> Path:
 
     A GGUF-loaded model refuses save_pretrained ("quantized with gguf"): drop its
     quantization_config, rebuild the same architecture on the meta device, assign the loaded
-    tensors (no copy), and save that.
+    tensors (no copy), and save that. It runs on the CPU whatever --device says: a one-off
+    dequantization (cached), not a compute stage.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -388,8 +386,10 @@ def _convert_pickle_dir(folder: Path, trust_remote_code: bool) -> Path:
     """Load trusted pickle weights once and cache them as safetensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stamp = json.dumps(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()))
-    key = f"{folder.name}-{hashlib.sha256((str(folder.resolve()) + stamp).encode()).hexdigest()[:12]}-pickle"
+    # keyed on content: a folder whose weights change (whatever their size) converts anew, and a
+    # copy of the same files elsewhere reuses the conversion
+    stamp = json.dumps(content_fingerprint(folder), sort_keys=True)
+    key = f"{folder.name}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}-pickle"
     final = cache_dir() / "models" / key
     if _is_complete_hf_dir(final):
         return final
@@ -443,26 +443,30 @@ def resolve_model_dir(spec: str, *, allow_pickle: bool = False, trust_remote_cod
     raise SpecDeployError(f"unknown model '{spec}'", hint=f"accepted forms: {ACCEPTED_FORMS}")
 
 
-def load_tokenizer(path: str | os.PathLike) -> Any:
+def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(Path(path))
+    return AutoTokenizer.from_pretrained(Path(path), trust_remote_code=trust_remote_code)
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: str = "float32") -> Any:
-    """An HF causal LM in eval mode with sdpa attention. A quantize-stage checkpoint
-    (hf_quant_config.json) loads fake-quantized, with the numerics it was calibrated with."""
-    import torch
+def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", *, device: "str | torch.device" = "cpu",
+                   device_map: str | dict[str, Any] | None = None, trust_remote_code: bool = False) -> Any:
+    """An HF causal LM in eval mode with sdpa attention, its weights loaded straight onto `device`
+    (auto|cpu|cuda|cuda:N), or spread by accelerate with `device_map` ("auto": over every visible
+    GPU, for a model that does not fit one; the caller decides from the memory preflight).
+    A quantize-stage checkpoint (hf_quant_config.json) loads fake-quantized, with the numerics it
+    was calibrated with, the same way."""
     from transformers import AutoModelForCausalLM
+
+    from specdeploy.device import resolve_device
+    from specdeploy.quantize.loader import load_quantized, torch_dtype
 
     path = Path(path)
     if (path / "hf_quant_config.json").is_file():
-        from specdeploy.quantize import load_quantized
-
-        return load_quantized(path, dtype=dtype)
-    if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-        raise SpecDeployError(f"unknown dtype '{dtype}'", hint="use float32, float64, bfloat16 or float16")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        return load_quantized(path, dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(dtype), attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+        device_map=device_map or {"": resolve_device(device)})
     return model.eval()
 
 
@@ -477,14 +481,11 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _source_fingerprint(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in KEEP_SUFFIXES}
-
-
 def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
     """Stage `resolve`: build/<name>/base/ holds the model as an HF safetensors folder."""
     source = resolve_model_dir(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    settings = {"model": model, "source": str(source.resolve()), "files": _source_fingerprint(source),
+    # the files' content hashes (cached by size + mtime): new weights of the same size rerun the stage
+    settings = {"model": model, "source": str(source.resolve()), "files": content_fingerprint(source, KEEP_SUFFIXES),
                 "trust_remote_code": trust_remote_code}
     if build.completed(STAGE, settings):
         return build.path(OUT)

@@ -72,6 +72,43 @@ def test_pickle_refused_unless_allowed(tiny_llama_dir, tmp_path, cache):
     assert torch.equal(a(ids).logits, b(ids).logits)
 
 
+def test_pickle_conversion_is_keyed_on_content(tiny_llama_dir, tmp_path, cache):
+    """The same files elsewhere reuse the conversion; new weights (same size) convert anew."""
+    folder = _pickle_folder(tiny_llama_dir, tmp_path / "pickled")
+    first = models.resolve_model_dir(str(folder), allow_pickle=True)
+    copy = shutil.copytree(folder, tmp_path / "elsewhere" / "pickled")
+    assert models.resolve_model_dir(str(copy), allow_pickle=True) == first
+    state = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    size = (folder / "pytorch_model.bin").stat().st_size
+    for tensor in state.values():
+        tensor.add_(1.0)  # in place: tied tensors keep sharing their storage, the file its size
+    torch.save(state, folder / "pytorch_model.bin")
+    assert (folder / "pytorch_model.bin").stat().st_size == size
+    assert models.resolve_model_dir(str(folder), allow_pickle=True) != first
+
+
+def _remote_code_folder(src: Path, dst: Path) -> Path:
+    """A local folder whose config points at its own modeling file (a subclass of Llama)."""
+    shutil.copytree(src, dst)
+    (dst / "modeling_custom.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n\nclass CustomLlamaForCausalLM(LlamaForCausalLM):\n    pass\n")
+    config = json.loads((dst / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomLlamaForCausalLM"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_trust_remote_code_reaches_the_loaders(tiny_llama_dir, tmp_path):
+    folder = _remote_code_folder(tiny_llama_dir, tmp_path / "custom")
+    assert type(models.load_causal_lm(folder, trust_remote_code=True)).__name__ == "CustomLlamaForCausalLM"
+    assert type(models.load_causal_lm(folder)).__name__ == "LlamaForCausalLM"  # the folder's code never ran
+    assert models.load_tokenizer(folder, trust_remote_code=True).eos_token == "<|endoftext|>"
+    build = BuildDir(tmp_path / "build")
+    with pytest.raises(SpecDeployError, match="remote code"):
+        models.run(build, str(folder))
+    assert (models.run(build, str(folder), trust_remote_code=True) / "modeling_custom.py").is_file()
+
+
 def test_remote_code_refused_unless_trusted(tiny_llama_dir, tmp_path):
     folder = tmp_path / "remote"
     shutil.copytree(tiny_llama_dir, folder)
@@ -99,6 +136,27 @@ def test_load_causal_lm_eval_sdpa(tiny_llama_dir):
         models.load_causal_lm(tiny_llama_dir, dtype="float7")
 
 
+def test_load_causal_lm_places_the_model(tiny_llama_dir):
+    """device "auto" is the CPU here; device_map "auto" (accelerate) the same numbers."""
+    ids = torch.tensor([[1, 5, 9, 30]])
+    model = models.load_causal_lm(tiny_llama_dir, device="auto")
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    spread = models.load_causal_lm(tiny_llama_dir, device_map="auto")
+    assert not spread.training
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, spread(ids).logits)
+
+
+@pytest.mark.gpu
+def test_load_causal_lm_on_cuda(tiny_llama_dir, cuda_device):
+    model = models.load_causal_lm(tiny_llama_dir, device=cuda_device)
+    assert {p.device for p in model.parameters()} == {cuda_device} and not model.training
+    ids = torch.tensor([[1, 5, 9, 30]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids.to(cuda_device)).logits.cpu(), models.load_causal_lm(tiny_llama_dir)(ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_stage_writes_self_contained_base(tiny_llama_dir, tmp_path):
     build = BuildDir(tmp_path / "build")
     out = models.run(build, str(tiny_llama_dir))
@@ -110,6 +168,22 @@ def test_stage_writes_self_contained_base(tiny_llama_dir, tmp_path):
     mtime = (out / "config.json").stat().st_mtime_ns
     assert models.run(build, str(tiny_llama_dir)) == out  # complete: skipped
     assert (out / "config.json").stat().st_mtime_ns == mtime
+
+
+def test_stage_reruns_when_weights_change_but_keep_their_size(tiny_llama_dir, tmp_path):
+    """The completion check hashes the source's content: a fine-tune of the same architecture
+    (same file sizes) must not keep the previous weights in base/."""
+    source = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    build = BuildDir(tmp_path / "build")
+    out = models.run(build, str(source))
+    weights = source / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor
+    (source / "new.tmp").write_bytes(data)
+    (source / "new.tmp").replace(weights)  # a new file (base/ holds a hardlink to the old one)
+    assert weights.stat().st_size == (out / "model.safetensors").stat().st_size
+    assert models.run(build, str(source)) == out
+    assert (out / "model.safetensors").read_bytes() == bytes(data)
 
 
 def test_cli_resolve(tiny_llama_dir, tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""Stage `quantize`: ModelOpt PTQ + unified HF export, the CPU loader's numerics, and the traps
-(block size, NVFP4 on CPU, fresh instance per export, interrupted calibration)."""
+"""Stage `quantize`: ModelOpt PTQ + unified HF export, the loader's numerics on CPU and CUDA, the
+memory preflight, and the traps (block size, NVFP4, fresh instance per export, interrupted
+calibration)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from safetensors import safe_open
 from specdeploy import models
 from specdeploy import quantize as Q
 from specdeploy.errors import SpecDeployError
+from specdeploy.quantize import calibrate, config, export, loader, placement, stage
 from specdeploy.manifest import BuildDir
 from tests.tiny import make_llama
 
@@ -44,24 +46,24 @@ def fp8_build(tmp_path_factory, tiny128_dir) -> BuildDir:
 
 
 def _calib(model_dir: Path) -> list[torch.Tensor]:
-    return Q.calibration_batches(models.load_tokenizer(model_dir), 2, 32)
+    return calibrate.calibration_batches(models.load_tokenizer(model_dir), 2, 32)
 
 
 # ----------------------------------------------------------------------------- configuration
 
 
 def test_quant_config_is_list_style_with_kv_cache():
-    config = Q.quant_config("fp8", "fp8")
-    assert isinstance(config["quant_cfg"], list)
-    assert config["quant_cfg"][-1] == {"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}}
-    awq = Q.quant_config("int4_awq", "none", awq_block_size=64)
+    fp8 = config.quant_config("fp8", "fp8")
+    assert isinstance(fp8["quant_cfg"], list)
+    assert fp8["quant_cfg"][-1] == {"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}}
+    awq = config.quant_config("int4_awq", "none", awq_block_size=64)
     weight = next(e for e in awq["quant_cfg"] if e["quantizer_name"] == "*weight_quantizer")
     assert weight["cfg"]["block_sizes"][-1] == 64
-    assert Q.quant_config("none", "none") is None
-    with pytest.raises(SpecDeployError, match="unknown --qformat"):
-        Q.quant_config("int3", "fp8")
+    assert config.quant_config("none", "none") is None
+    with pytest.raises(SpecDeployError, match="unknown --quant"):
+        config.quant_config("int3", "fp8")
     with pytest.raises(SpecDeployError, match="FP8") as err:
-        Q.quant_config("fp8", "int8")
+        config.quant_config("fp8", "int8")
     assert "--kv-cache fp8" in err.value.hint
 
 
@@ -113,8 +115,8 @@ def test_load_causal_lm_serves_the_quantized_checkpoint(fp8_build):
     out = fp8_build.path("quantized")
     model = models.load_causal_lm(out)
     q_proj = model.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, Q.QuantLinear) and q_proj.act_format == "fp8"
-    assert model.model.layers[0].self_attn._specdeploy_kv[0] == "fp8"
+    assert isinstance(q_proj, loader.QuantLinear) and q_proj.act_format == "fp8"
+    assert model.model.layers[0].self_attn.specdeploy_kv_format == "fp8"
     assert model.config._attn_implementation == "sdpa" and not model.training
     ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
     with torch.no_grad():
@@ -134,14 +136,14 @@ def _modelopt_reference(model_dir: Path, qformat: str, kv: str) -> tuple[torch.n
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    Q.quantize_model(model, qformat, kv, _calib(model_dir))
+    calibrate.quantize_model(model, qformat, kv, _calib(model_dir))
     reference = copy.deepcopy(model)
     out = model_dir.parent / f"{model_dir.name}-{qformat}-{kv}"
-    Q.export_checkpoint(model, out)
-    return reference, Q.load_quantized(out, "bfloat16")
+    export.export_checkpoint(model, out)
+    return reference, loader.load_quantized(out, "bfloat16")
 
 
-def _use_exported_weight(ref: torch.nn.Module, layer: Q.QuantLinear) -> None:
+def _use_exported_weight(ref: torch.nn.Module, layer: loader.QuantLinear) -> None:
     ref.weight.data = layer.weight.data.clone()
     quantizers = ref.weight_quantizer
     for quantizer in quantizers if isinstance(quantizers, torch.nn.Sequential) else [quantizers]:
@@ -157,7 +159,7 @@ def test_loader_matches_modelopt_layer_by_layer(tiny128_dir, qformat):
     torch.manual_seed(0)
     checked = 0
     for name, layer in loaded.named_modules():
-        if not isinstance(layer, Q.QuantLinear):
+        if not isinstance(layer, loader.QuantLinear):
             continue
         ref = reference.get_submodule(name)
         if (layer.pre_quant_scale is None) != (getattr(ref.input_quantizer, "_pre_quant_scale", None) is None):
@@ -174,9 +176,9 @@ def test_int8_smoothquant_whole_model_equals_modelopt(tiny128_dir):
     """SmoothQuant + FP8 KV cache with the exported weights: the whole forward (smoothing, static
     int8 inputs, fake-quantized K/V at the attention call) is ModelOpt's own, bit for bit."""
     reference, loaded = _modelopt_reference(tiny128_dir, "int8_sq", "fp8")
-    assert loaded.model.layers[1].self_attn._specdeploy_kv[0] == "fp8"
+    assert loaded.model.layers[1].self_attn.specdeploy_kv_format == "fp8"
     for name, layer in loaded.named_modules():
-        if isinstance(layer, Q.QuantLinear):
+        if isinstance(layer, loader.QuantLinear):
             _use_exported_weight(reference.get_submodule(name), layer)
     ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7, 100, 200, 13]])
     with torch.no_grad():
@@ -187,27 +189,27 @@ def test_fresh_model_per_export(tiny128_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny128_dir, dtype=torch.bfloat16).eval()
-    Q.quantize_model(model, "fp8", "none", _calib(tiny128_dir))
-    Q.export_checkpoint(model, tmp_path / "one")
+    calibrate.quantize_model(model, "fp8", "none", _calib(tiny128_dir))
+    export.export_checkpoint(model, tmp_path / "one")
     with pytest.raises(SpecDeployError, match="already exported"):
-        Q.export_checkpoint(model, tmp_path / "two")
+        export.export_checkpoint(model, tmp_path / "two")
 
 
 def test_int4_awq_stage_and_unpacking(tmp_path, tiny128_dir):
     build = _build(tmp_path, tiny128_dir)
     out = Q.run(build, "int4_awq", "fp8", **FAST)
-    quant = Q.read_quant_config(out)
+    quant = loader.read_quant_config(out)
     assert quant["quant_algo"] == "W4A16_AWQ" and quant["group_size"] == 128
     model = models.load_causal_lm(out)
     assert model.model.layers[0].mlp.down_proj.act_format is None  # weight-only
     packed = torch.tensor([[0x1F, 0x80]], dtype=torch.uint8)  # rows (-1 | 1), (0 | -8)
-    assert Q.unpack_int4(packed).tolist() == [[-1, 0], [1, -8]]
+    assert loader.unpack_int4(packed).tolist() == [[-1, 0], [1, -8]]
 
 
 def test_smaller_awq_block_size_when_asked(tmp_path, tiny_llama_dir):
     out = Q.run(_build(tmp_path, tiny_llama_dir), "int4_awq", "none", awq_block_size=64, **FAST)
-    assert Q.read_quant_config(out)["group_size"] == 64
-    assert isinstance(models.load_causal_lm(out).model.layers[0].self_attn.q_proj, Q.QuantLinear)
+    assert loader.read_quant_config(out)["group_size"] == 64
+    assert isinstance(models.load_causal_lm(out).model.layers[0].self_attn.q_proj, loader.QuantLinear)
 
 
 def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp_path, tiny128_dir):
@@ -224,8 +226,8 @@ def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp
     model = models.load_causal_lm(out)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-            assert isinstance(module, Q.QuantLinear) == (name not in kept), name
-    assert model.model.layers[0].self_attn._specdeploy_kv[0] == "fp8"  # the KV cache is still quantized
+            assert isinstance(module, loader.QuantLinear) == (name not in kept), name
+    assert model.model.layers[0].self_attn.specdeploy_kv_format == "fp8"  # the KV cache is still quantized
     convert_all(out, tmp_path / "ckpt")
     config = json.loads((tmp_path / "ckpt" / "target" / "config.json").read_text())
     assert config["quantization"]["exclude_modules"] == [
@@ -235,27 +237,28 @@ def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp
 def test_exclude_errors_say_what_to_do(tmp_path, tiny128_dir):
     model = models.load_causal_lm(tiny128_dir)
     with pytest.raises(SpecDeployError, match="'\\*mlp.down' matches no quantized Linear") as err:
-        Q.excluded_linears(model, "fp8", ["*mlp.down"])
+        config.excluded_linears(model, "fp8", ["*mlp.down"])
     assert "model.layers.0.self_attn.q_proj" in err.value.hint
     with pytest.raises(SpecDeployError, match="not model.layers.1.mlp.up_proj") as err:
-        Q.excluded_linears(model, "fp8", ["model.layers.1.mlp.gate_proj"])
+        config.excluded_linears(model, "fp8", ["model.layers.1.mlp.gate_proj"])
     assert "'model.layers.1.mlp.gate_proj' 'model.layers.1.mlp.up_proj'" in err.value.hint
-    with pytest.raises(SpecDeployError, match="--exclude is not supported with --qformat int8_sq"):
+    with pytest.raises(SpecDeployError, match="--exclude is not supported with --quant int8_sq"):
         Q.run(_build(tmp_path, tiny128_dir), "int8_sq", "none", exclude=["*down_proj"], **FAST)
 
 
-def test_nvfp4_exports_but_cpu_forward_refused(tmp_path, tiny128_dir):
+def test_nvfp4_exports_but_the_loader_refuses_it(tmp_path, tiny128_dir):
     build = _build(tmp_path, tiny128_dir)
     out = Q.run(build, "nvfp4", "none", calib_size=2, calib_seq_len=32, report=True, report_prompts=1, report_tokens=4, report_texts=1)
-    assert Q.read_quant_config(out)["quant_algo"] == "NVFP4"
-    assert "CUDA" in json.loads((out / "quantize.json").read_text())["skipped"]
-    with pytest.raises(SpecDeployError, match="CPU forward pass cannot run"):
+    assert loader.read_quant_config(out)["quant_algo"] == "NVFP4"
+    assert "FP4 block quantization" in json.loads((out / "quantize.json").read_text())["skipped"]
+    with pytest.raises(SpecDeployError, match="fake-quant loader cannot run") as err:
         models.load_causal_lm(out)
+    assert "TensorRT-LLM" in err.value.hint
 
 
 def test_interrupted_calibration_leaves_no_checkpoint(tmp_path, tiny128_dir, monkeypatch):
     build = _build(tmp_path, tiny128_dir)
-    real_loop = Q._forward_loop
+    real_loop = calibrate.forward_loop
 
     def interrupted(batches, desc):
         def loop(model):
@@ -264,11 +267,11 @@ def test_interrupted_calibration_leaves_no_checkpoint(tmp_path, tiny128_dir, mon
 
         return loop
 
-    monkeypatch.setattr(Q, "_forward_loop", interrupted)
+    monkeypatch.setattr(calibrate, "forward_loop", interrupted)
     with pytest.raises(KeyboardInterrupt):
         Q.run(build, "fp8", "fp8", **FAST)
     assert not build.path("quantized").exists() and build.record("quantize") is None
-    monkeypatch.setattr(Q, "_forward_loop", real_loop)
+    monkeypatch.setattr(calibrate, "forward_loop", real_loop)
     out = Q.run(build, "fp8", "fp8", **FAST)  # the rerun restarts cleanly
     assert (out / "model.safetensors").is_file()
     assert not list(build.root.glob(".quantized*"))
@@ -296,9 +299,10 @@ def test_cli_quantize(tmp_path, tiny128_dir):
 
     build_dir = tmp_path / "cli"
     assert main(["resolve", "--model", str(tiny128_dir), "--build-dir", str(build_dir)]) == 0
-    assert main(["quantize", "--build-dir", str(build_dir), "--qformat", "fp8", "--kv-cache", "none",
+    assert main(["quantize", "--build-dir", str(build_dir), "--quant", "fp8", "--kv-cache", "none", "--device", "cpu",
                  "--calib-size", "2", "--calib-seq-len", "32", "--no-report"]) == 0
-    assert Q.read_quant_config(build_dir / "quantized")["kv_cache_quant_algo"] is None
+    assert loader.read_quant_config(build_dir / "quantized")["kv_cache_quant_algo"] is None
+    assert BuildDir(build_dir).record("quantize")["device"].startswith("cpu")
 
 
 def _medusa_spec(build: BuildDir, base_dir: Path) -> None:
@@ -331,4 +335,130 @@ def test_quantize_spec_fp8_medusa_heads_and_acceptance_report(tmp_path, tiny128_
     assert build.record("quantize")["inputs"].keys() == {"resolve", "spec"}
     acceptance = json.loads((out / "quantize.json").read_text())["acceptance_length"]
     assert acceptance["module"] == "quantized"
-    assert acceptance["unquantized_pair"] >= 1.0 and acceptance["quantized_base"] >= 1.0
+    for side in ("unquantized_pair", "quantized_base"):  # TRT-LLM's definition, from the summed counts
+        counts = acceptance["counts"][side]
+        assert counts["target_forwards"] > 0 and 0 <= counts["accepted_draft_tokens"] <= counts["draft_tokens"]
+        forwards = counts["target_forwards"]
+        assert acceptance[side] == pytest.approx((counts["accepted_draft_tokens"] + forwards) / forwards)
+    assert _recount_acceptance(build, prompts=2, max_new_tokens=8) == (
+        acceptance["counts"]["unquantized_pair"]["accepted_draft_tokens"], acceptance["counts"]["unquantized_pair"]["target_forwards"])
+
+
+def _recount_acceptance(build: BuildDir, prompts: int, max_new_tokens: int) -> tuple[int, int]:
+    """(accepted draft tokens, target forwards) of the unquantized pair, counted here with the
+    runtime directly: the report's figure must come from exactly these counts."""
+    from specdeploy.quantize.report import report_prompts
+    from specdeploy.runtime.decoding import generate
+    from specdeploy.runtime.proposers import build_proposer
+    from specdeploy.runtime.types import SamplingParams
+
+    base = models.load_causal_lm(build.path("base"), "bfloat16")
+    proposer = build_proposer("medusa", base, spec_dir=build.path("spec"))
+    accepted = forwards = 0
+    for ids in report_prompts(models.load_tokenizer(build.path("base")), prompts):
+        metrics = generate(base, ids, SamplingParams(max_new_tokens=max_new_tokens), proposer, adaptive=False).metrics
+        accepted, forwards = accepted + metrics.accepted_draft_tokens, forwards + metrics.target_forwards
+    return accepted, forwards
+
+
+# ----------------------------------------------------------------------------- devices and memory
+
+
+def test_stage_records_its_device(fp8_build):
+    assert fp8_build.record("quantize")["device"].startswith("cpu")  # auto on a host without CUDA
+    assert "device" not in fp8_build.record("quantize")["settings"]  # a build stays complete on another host
+
+
+def test_preflight_refuses_before_loading_the_base(tmp_path, tiny128_dir, monkeypatch):
+    build = _build(tmp_path, tiny128_dir)
+    monkeypatch.setenv("SPECDEPLOY_MEMORY_BUDGET_GIB", "0.0001")  # a 100 KiB device
+    monkeypatch.setattr(stage, "load_base", lambda *a, **k: pytest.fail("loaded the base despite the preflight"))
+    with pytest.raises(SpecDeployError, match="calibration needs") as err:
+        Q.run(build, "fp8", "fp8", device="cpu", **FAST)
+    assert "--calib-seq-len" in err.value.hint and "device_map=auto" in err.value.hint
+    assert not build.path("quantized").exists() and build.record("quantize") is None
+
+
+def test_preflight_names_no_report_when_only_the_report_is_too_big(tmp_path, tiny128_dir, monkeypatch, capsys):
+    """Calibration holds one copy of the model, the report two (base + quantized)."""
+    build = _build(tmp_path, tiny128_dir)
+    base = build.path("base")
+    weights = placement.preflight.weights_bytes(base, "bfloat16")
+    calibration = weights + placement.activation_bytes(base, 32, "bfloat16")
+    report = 2 * weights + placement.activation_bytes(base, stage.REPORT_PROMPT_TOKENS + 32, "bfloat16")
+    assert report > 1.1 * calibration
+    monkeypatch.setenv("SPECDEPLOY_MEMORY_BUDGET_GIB", str(1.05 * calibration / 0.9 / 2**30))
+    with pytest.raises(SpecDeployError, match="quality report") as err:
+        Q.run(build, "fp8", "fp8", device="cpu", calib_size=2, calib_seq_len=32)
+    assert "--no-report" in err.value.hint
+    out = Q.run(build, "fp8", "fp8", device="cpu", **FAST)  # FAST has report=False: it fits
+    assert (out / "model.safetensors").is_file()
+    assert "specdeploy quantize: computing on cpu" in capsys.readouterr().err
+
+
+def test_placement_spreads_over_gpus_only_when_one_is_too_small(tmp_path, tiny128_dir, monkeypatch):
+    """The decision alone, with the GPUs simulated (free memory and count): 1 KiB on one GPU,
+    1 GiB on all of them together -> device_map "auto"; with a single GPU -> refused."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(placement.preflight, "available_bytes", lambda device, all_gpus=False: 2**30 if all_gpus else 1024)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert placement.place("calibration", tiny128_dir, "bfloat16", gpu, 32, options=["x"]) == placement.Placement(gpu, "auto")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SpecDeployError, match="calibration needs"):
+        placement.place("calibration", tiny128_dir, "bfloat16", gpu, 32, options=["x"])
+
+
+def test_quantized_checkpoint_loads_with_a_device_map(fp8_build):
+    """device_map (accelerate dispatch) gives the same numbers as a plain load: here every layer
+    lands on the CPU, on a multi-GPU host the same code spreads them."""
+    out = fp8_build.path("quantized")
+    ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
+    with torch.no_grad():
+        plain = models.load_causal_lm(out)(ids).logits
+        mapped = models.load_causal_lm(out, device_map="auto")
+        assert isinstance(mapped.model.layers[0].mlp.down_proj, loader.QuantLinear)
+        assert torch.equal(mapped(ids).logits, plain)
+
+
+def test_the_runtime_loader_imports_no_modelopt_and_no_stage(fp8_build):
+    """models -> quantize.loader is a leaf: serving a quantized checkpoint (the Triton model,
+    verify, bench) imports neither ModelOpt nor the stage; the format tables import no torch."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from specdeploy.quantize.formats import QUANT_FORMATS
+assert "torch" not in sys.modules and QUANT_FORMATS[0] == "fp8"
+import specdeploy.models as models
+models.load_causal_lm({str(fp8_build.path("quantized"))!r})
+loaded = sorted(m for m in sys.modules if m.startswith(("modelopt", "specdeploy.quantize")))
+assert loaded == ["specdeploy.quantize", "specdeploy.quantize.formats", "specdeploy.quantize.loader"], loaded
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_serves_the_same_greedy_tokens_as_on_cpu(tmp_path, tiny128_dir, cuda_device):
+    """Calibration + export on CUDA, then the checkpoint served on CUDA and on the CPU: identical
+    greedy tokens in the checkpoint's parity dtype (float64: FP8 activations and K/V are rounded
+    with static scales, and fp32's device-to-device matmul differences could flip a rounding)."""
+    from specdeploy.runtime.decoding import generate
+    from specdeploy.runtime.types import SamplingParams
+
+    build = _build(tmp_path, tiny128_dir)
+    out = Q.run(build, "fp8", "fp8", device=str(cuda_device), calib_size=4, calib_seq_len=48, report=True,
+                report_prompts=2, report_tokens=6, report_texts=2)
+    assert build.record("quantize")["device"].startswith("cuda")
+    assert "perplexity" in json.loads((out / "quantize.json").read_text())
+    dtype = loader.parity_dtype(out)
+    assert dtype == "float64"
+    on_gpu = models.load_causal_lm(out, dtype, device=cuda_device)
+    on_cpu = models.load_causal_lm(out, dtype, device="cpu")
+    assert on_gpu.model.layers[0].self_attn.specdeploy_k_scale.device.type == "cuda"
+    tokenizer = models.load_tokenizer(out)
+    for text in ["def add(a, b):\n    return a + b\ndef add(", "The quick brown fox. The quick brown"]:
+        ids = tokenizer(text)["input_ids"]
+        gpu = generate(on_gpu, ids, SamplingParams(max_new_tokens=24)).token_ids
+        assert gpu == generate(on_cpu, ids, SamplingParams(max_new_tokens=24)).token_ids

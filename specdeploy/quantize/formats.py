@@ -1,0 +1,33 @@
+"""The quantization formats the project knows, as plain tables: no torch, no ModelOpt, so the CLI
+(`--quant` choices), the loader and the TensorRT-LLM converter can all read them cheaply."""
+
+from __future__ import annotations
+
+# --quant name -> ModelOpt 0.47 config (attribute of modelopt.torch.quantization); none = unquantized
+QFORMATS = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",
+    "int4_awq": "INT4_AWQ_CFG",
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
+    "nvfp4": "NVFP4_DEFAULT_CFG",
+    "none": None,
+}
+QUANT_FORMATS: tuple[str, ...] = tuple(QFORMATS)  # the choices of --quant
+KV_CACHE = ("fp8", "int8", "none")
+BLOCK_QFORMATS = ("int4_awq", "w4a8_awq")
+AWQ_BLOCK_SIZES = (32, 64, 128)  # TRT-LLM's W4A16 AWQ kernels take 64 and 128; ModelOpt any divisor
+# TRT-LLM honours exclude_modules for FP8 and weight-only AWQ (quantize_layers); its INT8
+# SmoothQuant plugin path quantizes every layer, so mixed precision is refused there.
+EXCLUDABLE_QFORMATS = ("fp8", "int4_awq")
+EXCLUDED_NAMES = ("lm_head", "output_layer", "embed")  # never quantized by the ModelOpt presets
+# TensorRT-LLM runs these Linears as one GEMM (attention.qkv; the fused gate/up MLP), so a layer
+# keeps or quantizes each group as a whole.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+# What the activations of a quantized Linear are fake-quantized to, per exported quant_algo: the
+# formats the project's loader serves (quantize.loader).
+ACT_FORMAT = {"FP8": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "W4A16_AWQ": None, "W4A8_AWQ": "fp8"}
+# Exported quant_algos with dynamic FP4 block quantization: ModelOpt runs them only on CUDA and the
+# project's loader does not implement them, so only TensorRT-LLM serves them.
+FP4_ALGOS = ("NVFP4", "W4A8_NVFP4_FP8", "NVFP4_AWQ")
+FP4_QFORMATS = ("nvfp4",)

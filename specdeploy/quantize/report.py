@@ -1,0 +1,193 @@
+"""The quality report (quantized/quantize.json + quantize.md): quantized vs unquantized on held-out
+ShareGPT (never seen in calibration): perplexity, greedy agreement, and the speculative module's
+acceptance length on the quantized base. Both models and the runtime run on the stage's device."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdeploy.quantize.export import load_base
+from specdeploy.quantize.formats import FP4_ALGOS
+from specdeploy.quantize.loader import load_quantized, read_quant_config
+from specdeploy.quantize.placement import Placement
+from specdeploy.runtime.types import acceptance_length, model_device
+
+CPU = Placement(torch.device("cpu"))
+
+
+def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """A user prompt as the model is served it: in the chat template when there is one."""
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def report_prompts(tokenizer: Any, prompts: int, seed: int = 0) -> list[list[int]]:
+    """The held-out prompts the greedy agreement and the acceptance length are measured on."""
+    from specdeploy.data import sharegpt_prompts
+
+    return [chat_ids(tokenizer, p) for p in sharegpt_prompts(prompts, split="heldout", seed=seed, max_chars=400)]
+
+
+def greedy_tokens(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, proposer: Any = None) -> tuple[list[int], Any]:
+    """Greedy continuation with the project's runtime; a proposer drafts every step (not
+    adaptive), so the acceptance measured is the module's own."""
+    from specdeploy.runtime.decoding import generate
+    from specdeploy.runtime.types import SamplingParams
+
+    result = generate(model, prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), proposer, adaptive=False)
+    return list(result.token_ids), result.metrics
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (the shorter length when one is a prefix of the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def perplexity(model: nn.Module, token_lists: list[list[int]]) -> float:
+    """exp(mean next-token NLL) over all predicted tokens of the texts."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in token_lists:
+            x = torch.tensor([ids], device=model_device(model))
+            logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+            total += nn.functional.cross_entropy(logits, x[0, 1:].to(logits.device), reduction="sum").item()
+            count += len(ids) - 1
+    return math.exp(total / max(count, 1))
+
+
+def token_agreement(base: nn.Module, quant: nn.Module, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    rows = []
+    for ids in tqdm(prompts, desc="greedy agreement", unit="prompt", leave=False):
+        a, _ = greedy_tokens(base, ids, max_new_tokens)
+        b, _ = greedy_tokens(quant, ids, max_new_tokens)
+        same = sum(x == y for x, y in zip(a, b))
+        rows.append({"first_divergence": first_divergence(a, b), "length": min(len(a), len(b)),
+                     "identical": a == b, "positional_match": same / max(min(len(a), len(b)), 1)})
+    n = max(len(rows), 1)
+    return {
+        "prompts": len(rows),
+        "max_new_tokens": max_new_tokens,
+        "mean_first_divergence": sum(r["first_divergence"] for r in rows) / n,
+        "identical_fraction": sum(r["identical"] for r in rows) / n,
+        "mean_positional_match": sum(r["positional_match"] for r in rows) / n,
+        "per_prompt": rows,
+    }
+
+
+def count_acceptance(target: nn.Module, spec_dir: Path | None, prompts: list[list[int]], max_new_tokens: int,
+                     quant_spec_dir: Path | None = None) -> dict[str, int]:
+    """The module in spec_dir proposing for `target` (with the FP8 numerics of quant_spec_dir's
+    module when given; n-gram lookup without a module): target forwards, draft tokens and
+    accepted draft tokens, summed over the prompts."""
+    from specdeploy.quantize.spec_module import apply_spec_quantization
+    from specdeploy.runtime.proposers import build_proposer
+    from specdeploy.spec import read_spec_config
+
+    if spec_dir is None:
+        proposer = build_proposer("ngram", target)
+    else:
+        proposer = build_proposer(read_spec_config(spec_dir)["kind"], target, spec_dir=spec_dir)
+    if quant_spec_dir is not None:
+        apply_spec_quantization(proposer, quant_spec_dir)
+    counts = {"target_forwards": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+    for ids in prompts:
+        _, metrics = greedy_tokens(target, ids, max_new_tokens, proposer)
+        for key in counts:
+            counts[key] += getattr(metrics, key)
+    return counts
+
+
+def quality_report(base_dir: Path, quant_dir: Path, *, dtype: str = "bfloat16", prompts: int = 8,
+                   max_new_tokens: int = 32, ppl_texts: int = 16, ppl_seq_len: int = 256,
+                   spec_dir: Path | None = None, quant_spec_dir: Path | None = None, seed: int = 0,
+                   placement: Placement = CPU, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Quantized vs unquantized on held-out ShareGPT (never seen in calibration), both in `dtype`
+    where `placement` says."""
+    from specdeploy.data import heldout_texts
+    from specdeploy.models import load_tokenizer
+
+    quant = read_quant_config(quant_dir)
+    report: dict[str, Any] = {"quant_algo": quant.get("quant_algo"), "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+                              "dtype": dtype, "data": "sharegpt heldout split"}
+    if quant.get("quant_algo") in FP4_ALGOS:
+        report["skipped"] = (f"{quant['quant_algo']} is not served by specdeploy's fake-quant loader (dynamic FP4 block "
+                             "quantization; ModelOpt's own needs CUDA): no quality figures")
+        return report
+    tokenizer = load_tokenizer(base_dir, trust_remote_code=trust_remote_code)
+    prompt_ids = report_prompts(tokenizer, prompts, seed)
+    texts = [tokenizer(t, add_special_tokens=False)["input_ids"][:ppl_seq_len] for t in heldout_texts(ppl_texts, seed=seed)]
+    base = load_base(base_dir, dtype, placement, trust_remote_code)
+    quantized = load_quantized(quant_dir, dtype, device=placement.device, device_map=placement.device_map,
+                               trust_remote_code=trust_remote_code)
+    started = time.time()
+    ppl_base, ppl_quant = perplexity(base, texts), perplexity(quantized, texts)
+    report["perplexity"] = {"base": ppl_base, "quantized": ppl_quant, "relative_change": ppl_quant / ppl_base - 1,
+                            "texts": len(texts), "tokens": sum(len(t) - 1 for t in texts)}
+    report["greedy_agreement"] = token_agreement(base, quantized, prompt_ids, max_new_tokens)
+    if spec_dir is not None and not (spec_dir / "spec_config.json").is_file():
+        spec_dir = None  # a draft-model or n-gram build: measure with n-gram lookup
+    report["acceptance_length"] = _acceptance_report(base, quantized, spec_dir, quant_spec_dir, prompt_ids, max_new_tokens)
+    report["seconds"] = round(time.time() - started, 1)
+    return report
+
+
+def _acceptance_report(base: nn.Module, quantized: nn.Module, spec_dir: Path | None, quant_spec_dir: Path | None,
+                       prompt_ids: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    try:
+        unquantized = count_acceptance(base, spec_dir, prompt_ids, max_new_tokens)
+        on_quantized = count_acceptance(quantized, spec_dir, prompt_ids, max_new_tokens, quant_spec_dir)
+    except ImportError as err:  # the runtime or its proposers are not installed
+        return {"skipped": f"speculative runtime unavailable: {err}"}
+    if spec_dir is None:
+        proposer = "ngram (no Medusa/EAGLE module in this build)"
+    else:
+        proposer = f"{_spec_kind(spec_dir)} module ({'FP8' if quant_spec_dir else 'unquantized'} on the quantized base)"
+    # runtime.types.acceptance_length: the project's one definition, from the summed counts
+    before, after = (acceptance_length(c["accepted_draft_tokens"], c["target_forwards"]) for c in (unquantized, on_quantized))
+    return {"unquantized_pair": before, "quantized_base": after, "proposer": proposer,
+            "module": "quantized" if quant_spec_dir else "unquantized", "relative_change": after / before - 1,
+            "definition": "(accepted draft tokens + target forwards) / target forwards, prefill not counted (TensorRT-LLM's)",
+            "counts": {"unquantized_pair": unquantized, "quantized_base": on_quantized}}
+
+
+def _spec_kind(spec_dir: Path) -> str:
+    from specdeploy.spec import read_spec_config
+
+    return read_spec_config(spec_dir)["kind"]
+
+
+def report_markdown(report: dict[str, Any], settings: dict[str, Any]) -> str:
+    lines = [f"# Quantization report: {settings.get('qformat')} (KV cache {settings.get('kv_cache')})", ""]
+    if "skipped" in report:
+        return "\n".join(lines + [f"Quality not measured: {report['skipped']}", ""])
+    ppl, agree = report["perplexity"], report["greedy_agreement"]
+    lines += [
+        f"Calibration: {settings.get('calib_size')} ShareGPT train conversations x {settings.get('calib_seq_len')} tokens; "
+        f"evaluation on the held-out split in {report['dtype']}.",
+        *([f"Mixed precision: Linears matching {', '.join(settings['exclude'])} stay in {settings.get('dtype')} (--exclude)."]
+          if settings.get("exclude") else []),
+        "",
+        "| metric | unquantized | quantized | change |",
+        "|---|---|---|---|",
+        f"| perplexity ({ppl['texts']} texts, {ppl['tokens']} tokens) | {ppl['base']:.3f} | {ppl['quantized']:.3f} | {100 * ppl['relative_change']:+.2f}% |",
+        f"| greedy: mean first divergence ({agree['prompts']} prompts x {agree['max_new_tokens']} tokens) | - | {agree['mean_first_divergence']:.1f} | identical {100 * agree['identical_fraction']:.0f}% |",
+    ]
+    acc = report.get("acceptance_length")
+    if acc and "skipped" not in acc:
+        lines.append(f"| acceptance length ({acc['proposer']}) | {acc['unquantized_pair']:.3f} | {acc['quantized_base']:.3f} | {100 * acc['relative_change']:+.2f}% |")
+    elif acc:
+        lines.append(f"\nAcceptance length not measured: {acc['skipped']}")
+    return "\n".join(lines) + "\n"
