@@ -1,5 +1,6 @@
 """Spec stage on the tiny Llama: self-distillation, ModelOpt training lowers the loss, checkpoints
-resume, the spec/ folder round-trips, and the CLI reports bad trees and low acceptance."""
+resume, the spec/ folder round-trips, and the CLI reports bad trees and low acceptance. On the CPU
+explicitly (these pin the CPU numerics; tests/test_spec_device.py covers the other devices)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ def spec_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tiny_llama_dir):
-    return distill(tiny_llama_dir, num_prompts=8, max_new_tokens=24, layers=data_layers(2), batch_size=8)
+    return distill(tiny_llama_dir, num_prompts=8, max_new_tokens=24, layers=data_layers(2), batch_size=8, device="cpu")
 
 
 def test_distillation_data_is_cached_and_consistent(tiny_llama_dir, data):
-    again = distill(tiny_llama_dir, num_prompts=8, max_new_tokens=24, layers=data_layers(2), batch_size=8)
+    again = distill(tiny_llama_dir, num_prompts=8, max_new_tokens=24, layers=data_layers(2), batch_size=8, device="cpu")
     assert torch.equal(again.tokens, data.tokens)
     n = len(data.tokens)
     assert all(h.shape == (n, 64) for h in data.hidden.values())
@@ -56,7 +57,7 @@ def test_distillation_data_is_cached_and_consistent(tiny_llama_dir, data):
 @pytest.mark.parametrize("kind,lr", [("eagle", 3e-3), ("medusa", 2e-2)])
 def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind, lr):
     settings = TrainSettings(kind=kind, steps=15, **{**TINY, "lr": lr})
-    stats = train(tiny_llama_dir, tmp_path / "spec", settings, data=data)
+    stats = train(tiny_llama_dir, tmp_path / "spec", settings, data=data, device="cpu")
     assert stats["steps"] == 15
     assert stats["final_loss"] < 0.9 * stats["first_loss"]
     config = json.loads((tmp_path / "spec" / "spec_config.json").read_text())
@@ -70,10 +71,12 @@ def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind, lr):
 
 def test_resume_continues_where_it_stopped(tiny_llama_dir, data, tmp_path):
     settings = dict(kind="eagle", checkpoint_every=4, **TINY)
-    first = train(tiny_llama_dir, tmp_path / "a", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data, stop_at=4)
+    first = train(tiny_llama_dir, tmp_path / "a", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data,
+                  stop_at=4, device="cpu")
     assert first["steps"] == 4
-    resumed = train(tiny_llama_dir, tmp_path / "b", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data)
-    straight = train(tiny_llama_dir, tmp_path / "c", TrainSettings(steps=6, **settings), data=data)
+    resumed = train(tiny_llama_dir, tmp_path / "b", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data,
+                    device="cpu")
+    straight = train(tiny_llama_dir, tmp_path / "c", TrainSettings(steps=6, **settings), data=data, device="cpu")
     assert resumed["steps"] == 6
     a = load_file(str(tmp_path / "b" / "module.safetensors"))
     b = load_file(str(tmp_path / "c" / "module.safetensors"))
@@ -84,9 +87,9 @@ def test_resume_continues_where_it_stopped(tiny_llama_dir, data, tmp_path):
 
 def test_save_load_round_trip_gives_identical_proposals(tiny_llama_dir, data, tmp_path):
     spec_dir = tmp_path / "spec"
-    train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=3, **TINY), data=data)
+    train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=3, **TINY), data=data, device="cpu")
     target = load_causal_lm(tiny_llama_dir)
-    loaded = load_spec_model(tiny_llama_dir, spec_dir)
+    loaded = load_spec_model(tiny_llama_dir, spec_dir, device="cpu")
     saved = load_file(str(spec_dir / "module.safetensors"))
     assert all(torch.equal(saved[k], v) for k, v in module_state_dict(loaded, "eagle").items())
     from_dir = build_proposer("eagle", target, spec_dir=spec_dir, mode="dynamic")
@@ -112,10 +115,12 @@ def test_cli_rejects_a_tree_deeper_than_the_heads(tmp_path, capsys, tiny_llama_d
 def test_cli_train_then_validate_with_bound(tmp_path, capsys, tiny_llama_dir):
     build = tmp_path / "build"
     args = ["spec", "train", "--build-dir", str(build), "--model", str(tiny_llama_dir), "--spec", "medusa",
-            "--steps", "3", "--num-prompts", "8", "--max-new-tokens", "24", "--window", "16", "--distill-batch", "8"]
+            "--steps", "3", "--num-prompts", "8", "--max-new-tokens", "24", "--window", "16", "--distill-batch", "8",
+            "--device", "cpu"]
     assert cli.main(args) == 0
     assert (build / "spec" / "module.safetensors").is_file()
-    validate = ["spec", "validate", "--build-dir", str(build), "--prompts", "1", "--max-new-tokens", "12", "--dtype", "float32"]
+    validate = ["spec", "validate", "--build-dir", str(build), "--prompts", "1", "--max-new-tokens", "12", "--dtype", "float32",
+                "--device", "cpu"]
     assert cli.main(validate + ["--ar-lower-bound", "1.0"]) == 0
     assert '"overall_acceptance_length"' in capsys.readouterr().out
     assert cli.main(validate + ["--ar-lower-bound", "50"]) == 2

@@ -27,8 +27,9 @@ runtime proposers):
     spec/eagle3_export/      (EAGLE only) ModelOpt's export_speculative_decoding output
                              (config.json + model.safetensors of a LlamaForCausalLMEagle3 draft)
 
-Producers: the stage function `specdeploy.spec.commands.run(build, spec, preset="quick", **overrides)`
-(what `make engine` calls) and `specdeploy spec train`. Consumers: `load_spec_model` below, and
+Producers: the stage function `specdeploy.spec.commands.run(build, spec, preset="quick", device="auto",
+**overrides)` (what `make engine` calls) and `specdeploy spec train` (also under torchrun: see
+spec.parallel). Consumers: `load_spec_model` below, and
 the runtime proposers (`build_proposer("medusa"|"eagle", target, spec_dir=...)`), which take the
 module from `load_module_model` without loading a second copy of the base.
 
@@ -51,7 +52,8 @@ MODULE_FILE = "module.safetensors"
 EAGLE_EXPORT = "eagle3_export"
 MODULE_PREFIXES = {"medusa": "medusa_heads.", "eagle": "eagle_module."}
 
-__all__ = ["load_spec_model", "read_spec_config", "module_state_dict", "convert_model", "SPEC_CONFIG", "MODULE_FILE"]
+__all__ = ["load_spec_model", "load_module_model", "load_module_weights", "read_spec_config", "module_state_dict",
+           "convert_model", "SPEC_CONFIG", "MODULE_FILE"]
 
 
 def read_spec_config(spec_dir: str | os.PathLike) -> dict[str, Any]:
@@ -83,11 +85,12 @@ def module_state_dict(model: Any, kind: str) -> dict[str, Any]:
 
 def load_module_model(
     base_config: Any, kind: str, modelopt_config: dict[str, Any], spec_dir: str | os.PathLike | None = None,
-    *, dtype: Any = None, seed: int = 0,
+    *, dtype: Any = None, seed: int = 0, device: Any = None,
 ) -> Any:
     """A converted *skeleton* (the base config with one decoder layer, random base weights) that
     carries the module: what the runtime proposers take the module from without a second copy of
-    the base. Trained weights come from spec_dir; without one the module is freshly initialized."""
+    the base. Trained weights come from spec_dir; without one the module is freshly initialized
+    (on the CPU, from `seed`: the same module on every device). `device`: where it goes then."""
     import copy
 
     import torch
@@ -101,13 +104,12 @@ def load_module_model(
     skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     convert_model(skeleton, kind, modelopt_config)
     if spec_dir is not None:
-        _load_module_weights(skeleton, kind, spec_dir)
-    if dtype is not None:
-        skeleton.to(dtype)
+        load_module_weights(skeleton, kind, spec_dir)
+    skeleton.to(device=device, dtype=dtype)
     return skeleton.eval()
 
 
-def _load_module_weights(model: Any, kind: str, spec_dir: str | os.PathLike) -> None:
+def load_module_weights(model: Any, kind: str, spec_dir: str | os.PathLike) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(str(Path(spec_dir) / MODULE_FILE))
@@ -123,16 +125,18 @@ def _load_module_weights(model: Any, kind: str, spec_dir: str | os.PathLike) -> 
     model.load_state_dict(weights, strict=False)
 
 
-def load_spec_model(base_model: Any, spec_dir: str | os.PathLike, dtype: str = "float32") -> Any:
+def load_spec_model(base_model: Any, spec_dir: str | os.PathLike, dtype: str = "float32", *, device: Any = "auto",
+                    trust_remote_code: bool = False) -> Any:
     """The mtsp-converted base model with the trained module loaded (eval mode).
 
-    base_model: an HF folder path, or an already loaded (unconverted) PreTrainedModel.
+    base_model: an HF folder path (loaded in `dtype` on `device`), or an already loaded
+    (unconverted) PreTrainedModel, converted where it is.
     """
     config = read_spec_config(spec_dir)
     if isinstance(base_model, (str, os.PathLike)):
         from specdeploy.spec.common import load_base
 
-        base_model = load_base(base_model, dtype)
+        base_model = load_base(base_model, dtype, device=device, trust_remote_code=trust_remote_code)
     model = convert_model(base_model, config["kind"], config["modelopt_config"])
-    _load_module_weights(model, config["kind"], spec_dir)
+    load_module_weights(model, config["kind"], spec_dir)
     return model.eval()

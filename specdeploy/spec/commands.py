@@ -1,8 +1,10 @@
 """`specdeploy spec train|validate`, and the stage function `run(build, ...)` the pipeline calls.
 
-The stage trains into build/<name>/spec/ (see specdeploy.spec for the folder's contract). Its
-resumable checkpoint lives beside it in build/<name>/.spec.ckpt/, so an interrupted or longer
-rerun continues where the last one stopped instead of starting over.
+The stage trains into build/<name>/spec/ (see specdeploy.spec for the folder's contract) on the
+device it is given (`--device auto|cpu|cuda|cuda:N`), with the preset sized to that device and
+the base (spec.presets). Its resumable checkpoint lives beside it in build/<name>/.spec.ckpt/, so
+an interrupted or longer rerun continues where the last one stopped instead of starting over.
+Under torchrun / accelerate launch the training is data-parallel (spec.parallel).
 """
 
 from __future__ import annotations
@@ -14,52 +16,41 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.choices import parse_choices
-from specdeploy.errors import SpecDeployError
+from specdeploy.device import add_device_arg, announce, describe, resolve_device
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.spec.parallel import setup
+from specdeploy.spec.presets import PRESETS, TABLE, settings_for, tier_for
 from specdeploy.spec.train import TrainSettings, train
 
 STAGE = "spec"
 OUT = "spec"
 CKPT = ".spec.ckpt"
-KINDS = ("medusa", "eagle")
-
-# Data: the base reads a ShareGPT answer (teacher-forced) ~12x faster than it writes its own
-# (batched generation); both are distilled from the base's own logits, so the presets take most
-# tokens read and a share generated. Measured with SmolLM2-135M on an idle 2-core machine:
-# ~3,400 tokens/s read, ~290 tokens/s generated, ~0.55 s per training step (4 x 256 tokens).
-# What `make engine` uses: ~2 min of data (cached, shared by both kinds and every build of the
-# same base) and <= 8 min of training (800 steps when the machine is idle), so that the whole
-# default build stays within 15 minutes.
-_QUICK_DATA = dict(num_prompts=64, teacher_forced=768)
-QUICK = {kind: dict(steps=800, time_budget_s=480.0, **_QUICK_DATA) for kind in KINDS}
-# The issue's budget: <= 60 minutes of training, on ~6x the data (~15-20 min to make once, then
-# cached), with 768 of the base's own answers: measured on 2 idle threads, 6,000 steps (53 min)
-# reached draft accuracies 0.66/0.63/0.59 vs 0.58/0.53/0.49 for 2,804 steps on 128 answers.
-_LONG_DATA = dict(num_prompts=768, teacher_forced=2048)
-LONG = {
-    "eagle": dict(steps=6000, time_budget_s=3600.0, **_LONG_DATA),
-    "medusa": dict(steps=4000, time_budget_s=3600.0, **_LONG_DATA),
-}
 
 
-def settings_for(kind: str, preset: str = "quick", **overrides: Any) -> TrainSettings:
-    if kind not in KINDS:
-        raise SpecDeployError(f"the spec stage trains medusa or eagle, not '{kind}'", hint="use --spec medusa|eagle")
-    base = {"quick": QUICK, "long": LONG}[preset][kind]
-    settings = TrainSettings(kind=kind, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
-    settings.validate()
-    return settings
-
-
-def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", **overrides: Any) -> Path:
+def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: Any = "auto",
+        trust_remote_code: bool = False, **overrides: Any) -> Path:
     """Stage `spec`: train the module on build/<name>/base/ into build/<name>/spec/."""
-    settings = settings_for(spec, preset, **overrides)
-    recorded = asdict(settings)
-    if build.completed(STAGE, recorded, consumes=("resolve",)):
+    parallel = setup(resolve_device(device))
+    where = announce("spec", parallel.device)
+    base_dir = build.path("base")
+    settings = settings_for(spec, preset, tier=tier_for(base_dir, parallel.device), **overrides)
+    if _complete(build, spec, preset, overrides):
         return build.path(OUT)
-    with build.stage(STAGE, OUT, recorded, consumes=("resolve",)) as tmp:
-        train(build.path("base"), tmp, settings, ckpt_dir=build.root / CKPT)
+    train_args = dict(ckpt_dir=build.root / CKPT, parallel=parallel, trust_remote_code=trust_remote_code)
+    if parallel.is_main:
+        with build.stage(STAGE, OUT, asdict(settings), consumes=("resolve",), device=where) as tmp:
+            train(base_dir, tmp, settings, **train_args)
+    else:
+        train(base_dir, None, settings, **train_args)  # only rank 0 writes
+    parallel.barrier()  # rank 0 has recorded the stage
     return build.path(OUT)
+
+
+def _complete(build: BuildDir, spec: str, preset: str, overrides: dict[str, Any]) -> bool:
+    """Trained with this device's preset or another tier's: a build made on a GPU host stays
+    complete when it is mounted on a CPU one, and the other way round."""
+    return any(build.completed(STAGE, asdict(settings_for(spec, preset, tier=tier, **overrides)), consumes=("resolve",))
+               for tier in TABLE)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -67,10 +58,16 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", **overri
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="<action>", required=True)
-    train_p = actions.add_parser("train", help="self-distill, train the module with ModelOpt, write spec/")
+    train_p = actions.add_parser("train", help="self-distill, train the module with ModelOpt, write spec/ "
+                                 "(data-parallel under torchrun --nproc_per_node N -m specdeploy spec train ...)")
     add_build_args(train_p)
-    train_p.add_argument("--preset", choices=("quick", "long"), default="quick",
-                         help="quick: <= 10 min of training (make engine); long: <= 60 min on 10x the data")
+    add_device_arg(train_p)
+    _add_loader_args(train_p)
+    train_p.add_argument("--allow-pickle", action="store_true", help="let the resolve stage read pickle checkpoints")
+    train_p.add_argument("--preset", choices=PRESETS, default="quick",
+                         help="sized to the device and the base: on the CPU (or a base under 1B) quick ~10 min, "
+                              "long ~60 min on 6x the data (SmolLM2-135M, 2 cores); a 1B-8B base on CUDA gets "
+                              "ModelOpt-style GPU presets")
     for f in fields(TrainSettings):
         if f.name in ("kind", "choices"):
             continue
@@ -80,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     val = actions.add_parser("validate", help="acceptance length on held-out prompts per category")
     add_build_args(val)
+    add_device_arg(val)
+    _add_loader_args(val)
     val.add_argument("--spec-dir", help="a spec/ folder (default: the build's)")
     val.add_argument("--base-dir", help="the base model folder (default: the build's base/)")
     val.add_argument("--dtype", default="bfloat16", help="target dtype (bfloat16: the CPU serving dtype)")
@@ -99,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument("--json", help="write the results to this file")
 
 
+def _add_loader_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model folder's own code")
+
+
 def main(args: argparse.Namespace) -> int:
     return _train(args) if args.action == "train" else _validate(args)
 
@@ -108,11 +111,16 @@ def _train(args: argparse.Namespace) -> int:
     if args.choices:
         overrides["choices"] = parse_choices(args.choices, f"{args.spec}_choices")
     build = build_from_args(args)
-    if build.record("resolve") is None:
+    parallel = setup(resolve_device(args.device))
+    if build.record("resolve") is None and parallel.is_main:
         from specdeploy import models
 
-        models.run(build, args.model)
-    out = run(build, args.spec, preset=args.preset, **overrides)
+        models.run(build, args.model, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+    parallel.barrier()
+    out = run(build, args.spec, preset=args.preset, device=parallel.device, trust_remote_code=args.trust_remote_code,
+              **overrides)
+    if not parallel.is_main:
+        return 0
     config = json.loads((out / "spec_config.json").read_text())
     stats = config["training"]
     print(f"spec {config['kind']}: {stats['steps']} steps in {stats['seconds']} s on {stats['tokens']} tokens, "
@@ -141,11 +149,14 @@ def _validate(args: argparse.Namespace) -> int:
     kind = read_spec_config(spec_dir)["kind"]
     base_dir = Path(args.base_dir) if args.base_dir else build.path("base")
     categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
-    target, tokenizer, proposer = load_for_validation(base_dir, spec_dir, args.dtype, _proposer_options(args, kind))
+    device = resolve_device(args.device)
+    announce("spec validate", device)
+    target, tokenizer, proposer = load_for_validation(base_dir, spec_dir, args.dtype, _proposer_options(args, kind),
+                                                      device=device, trust_remote_code=args.trust_remote_code)
     results = measure(target, tokenizer, proposer, categories=categories, num_prompts=args.prompts,
                       max_new_tokens=args.max_new_tokens, speedup=args.speedup, draft_len=args.draft_len)
     tree = getattr(proposer, "mode", "static")
-    report = {"kind": kind, "dtype": args.dtype, "tree": tree,
+    report = {"kind": kind, "dtype": args.dtype, "tree": tree, "device": describe(device),
               "overall_acceptance_length": round(overall(results), 3), **{c: r.as_dict() for c, r in results.items()}}
     print(json.dumps(report, indent=2))
     if args.json:

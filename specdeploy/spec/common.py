@@ -1,4 +1,4 @@
-"""Helpers shared by the spec stage: base loading, prompts, cache paths, safetensors checkpoints."""
+"""Helpers shared by the spec stage: base loading, prompts, safetensors checkpoints."""
 
 from __future__ import annotations
 
@@ -10,15 +10,36 @@ from typing import Any
 from specdeploy.fileio import atomic_write_bytes, atomic_write_json
 
 
-def load_base(path: str | os.PathLike, dtype: str = "float32") -> Any:
+def load_base(path: str | os.PathLike, dtype: str = "float32", *, device: Any = "cpu", device_map: str | None = None,
+              trust_remote_code: bool = False) -> Any:
     from specdeploy.models import load_causal_lm
 
-    return load_causal_lm(path, dtype=dtype)
+    return load_causal_lm(path, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code)
 
 
-def cache_root() -> Path:
-    root = os.environ.get("SPECDEPLOY_CACHE") or Path.home() / ".cache" / "specdeploy"
-    return Path(root).expanduser()
+def load_offline_base(path: str | os.PathLike, dtype: Any, *, device: Any = "cpu", trust_remote_code: bool = False) -> Any:
+    """The base without its decoder layers (embeddings, final norm, lm_head): all that training
+    on precomputed hidden states and the EAGLE-3 export touch, as ModelOpt's own offline
+    loader does (num_hidden_layers=0); an 8B base then costs ~2 GB instead of 16."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    layers = config.num_hidden_layers
+    config.num_hidden_layers = 0
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = []
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # the skipped decoder weights are reported as unexpected keys
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code)
+    finally:
+        logging.set_verbosity(verbosity)
+    model.config.num_orig_hidden_layers = layers  # where ModelOpt looks for the real depth
+    return model.to(device).eval()
 
 
 def chat_prompts(n: int, split: str = "train") -> list[str]:

@@ -2,8 +2,11 @@
 target hidden states the modules train on captured during the same generation.
 
 Capturing hidden states while generating is ModelOpt's "offline" EAGLE training without a second
-pass: training never runs the 30-layer base again, only the small module. Cached under
-$SPECDEPLOY_CACHE/spec_data/<key>/ (written atomically, reused by every build on the same base).
+pass: training never runs the base's decoder layers again, only the small module. The samples
+are streamed into shards of bounded size under $SPECDEPLOY_CACHE/spec_data/<key>/ as they are
+made (each published atomically, reused by every build of the same base) and training reads them
+back from disk (shards.ShardedData), so RAM does not grow with the amount of data. Under
+torchrun the shards still to make are split between the ranks.
 """
 
 from __future__ import annotations
@@ -13,38 +16,31 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from specdeploy.fileio import atomic_write_json
-from specdeploy.spec.common import cache_root, chat_prompts, load_base, save_tensors
+from specdeploy.device import resolve_device
+from specdeploy.fileio import cache_dir, content_fingerprint
+from specdeploy.spec import memory
+from specdeploy.spec.common import chat_prompts, load_base
+from specdeploy.spec.parallel import Parallel
+from specdeploy.runtime.types import model_device
+from specdeploy.spec.shards import INFO_FILE, DistillData, ShardedData, save
 
-DATA_VERSION = 1
+DATA_VERSION = 2
 MAX_PROMPT_TOKENS = 192
-
-
-@dataclass
-class DistillData:
-    """Concatenated samples. tokens[i] has hidden[layer][i] (the state after consuming token i)
-    for every position except each sample's last token, marked by valid[i] == False."""
-
-    tokens: torch.Tensor  # (N,) int64
-    valid: torch.Tensor  # (N,) bool: position has hidden states and a next token in its sample
-    hidden: dict[int, torch.Tensor]  # layer (output_hidden_states index) -> (N, H) bfloat16
-    info: dict[str, Any]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.valid.sum())
+TF_MAX_TOKENS = 384  # teacher-forced conversations are cut to this many tokens
+TF_BATCH = 8
+# What identifies a model's answers: its weights, config (generation_config: eos) and tokenizer.
+FINGERPRINT_SUFFIXES = (".safetensors", "config.json", "tokenizer.json")
 
 
 def _model_fingerprint(model_dir: Path) -> str:
-    """Same weights and config in any folder (cache, build/<name>/base/) -> same data."""
-    sizes = sorted((p.name, p.stat().st_size) for p in model_dir.glob("*.safetensors"))
-    blob = json.dumps(sizes).encode() + (model_dir / "config.json").read_bytes()
+    """Same content in any folder (cache, build/<name>/base/) -> same data; a fine-tune of the
+    same architecture and sizes -> other data (content hashes, remembered by size and mtime)."""
+    blob = json.dumps(content_fingerprint(model_dir, FINGERPRINT_SUFFIXES), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -69,15 +65,16 @@ def _encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int) 
 
 @torch.no_grad()
 def _generate_batch(model: Any, batch: list[list[int]], max_new_tokens: int, layers: list[int], eos: set[int], pad: int):
-    """Greedy answers for a left-padded batch; yields (tokens, {layer: (n-1, H)}) per sample."""
+    """Greedy answers for a left-padded batch; yields (tokens, {layer: (n-1, H) bf16 on the CPU}) per sample."""
     width = max(len(b) for b in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, prompt in enumerate(batch):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    device = model_device(model)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens, do_sample=False,
         output_hidden_states=True, return_dict_in_generate=True, pad_token_id=pad,
     )
     steps = out.hidden_states  # step 0: prefill (B, width, H) per layer; then (B, 1, H)
@@ -90,7 +87,7 @@ def _generate_batch(model: Any, batch: list[list[int]], max_new_tokens: int, lay
         for layer in layers:
             pre = steps[0][layer][row, width - len(prompt):]
             dec = [steps[s][layer][row, -1:] for s in range(1, len(answer))]
-            hidden[layer] = torch.cat([pre, *dec], dim=0).to(torch.bfloat16)
+            hidden[layer] = torch.cat([pre, *dec], dim=0).to(torch.bfloat16).cpu()
         yield tokens, hidden
 
 
@@ -132,7 +129,7 @@ def _conversation_ids(tokenizer: Any, conversation: list[dict[str, str]], max_to
 @torch.no_grad()
 def teacher_forced(
     model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], *, layers: list[int],
-    max_tokens: int = 384, batch_size: int = 8, progress: Any = None,
+    max_tokens: int = TF_MAX_TOKENS, batch_size: int = TF_BATCH, progress: Any = None,
 ) -> DistillData:
     """ShareGPT answers read (not generated) by the base: one prefill per batch, ~10x more
     positions per CPU second than generating. The training targets are still the base's own
@@ -141,6 +138,7 @@ def teacher_forced(
     encoded = [e for e in encoded if len(e) > 8]
     tokens, valid, hidden = [], [], {layer: [] for layer in layers}
     started = time.time()
+    device = model_device(model)
     for start in range(0, len(encoded), batch_size):
         batch = encoded[start:start + batch_size]
         width = max(len(b) for b in batch)
@@ -148,12 +146,13 @@ def teacher_forced(
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, seq in enumerate(batch):
             ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
-        states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1).hidden_states
+        states = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                       logits_to_keep=1).hidden_states
         for row, seq in enumerate(batch):
             tokens.append(torch.tensor(seq))
             valid.append(torch.tensor([True] * (len(seq) - 1) + [False]))
             for layer in layers:
-                h = states[layer][row, : len(seq)].to(torch.bfloat16).clone()
+                h = states[layer][row, : len(seq)].to(torch.bfloat16).cpu().clone()
                 h[-1] = 0  # like generated samples: the last token has no state
                 hidden[layer].append(h)
             if progress is not None:
@@ -164,76 +163,97 @@ def teacher_forced(
     return data
 
 
-def concat(parts: list[DistillData]) -> DistillData:
-    info = {"num_samples": sum(p.info["num_samples"] for p in parts), "seconds": round(sum(p.info["seconds"] for p in parts), 1),
-            "num_tokens": sum(p.num_tokens for p in parts), "shards": len(parts)}
-    return DistillData(
-        torch.cat([p.tokens for p in parts]), torch.cat([p.valid for p in parts]),
-        {k: torch.cat([p.hidden[k] for p in parts]) for k in parts[0].hidden}, info,
-    )
-
-
 def _as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def save(data: DistillData, folder: Path) -> None:
-    tensors = {"tokens": data.tokens, "valid": data.valid, **{f"hidden.{k}": v for k, v in data.hidden.items()}}
-    save_tensors(folder / "data.safetensors", tensors)
-    atomic_write_json(folder / "info.json", data.info)
-
-
-def load(folder: Path) -> DistillData:
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(folder / "data.safetensors"))
-    hidden = {int(k.split(".", 1)[1]): v for k, v in tensors.items() if k.startswith("hidden.")}
-    return DistillData(tensors["tokens"], tensors["valid"], hidden, json.loads((folder / "info.json").read_text()))
-
-
 SHARD = 64  # prompts per cached shard: a longer run reuses (and resumes after) a shorter one's shards
 TF_SHARD = 256
 
 
+class Job(NamedTuple):
+    """One shard to make: generated answers to prompts, or conversations read by the base."""
+
+    folder: Path
+    kind: str  # "generate" | "read"
+    items: list
+    seq: int  # tokens per sample at most
+
+
+def _shard_size(default: int, tokens_per_sample: int, bytes_per_token: int) -> int:
+    """Samples per shard: the default, fewer for a wide model (memory.SHARD_BYTES of hidden
+    states at most), so the RAM the distillation needs does not grow with the model either."""
+    return max(1, min(default, memory.SHARD_BYTES // max(tokens_per_sample * bytes_per_token, 1)))
+
+
+def _jobs(root: Path, num_prompts: int, conversations: int, gen_seq: int, tf_seq: int, per_token: int) -> list[Job]:
+    from specdeploy.data import sharegpt_conversations
+
+    sources = [("shard", "generate", chat_prompts(num_prompts, "train"), SHARD, gen_seq)]
+    if conversations:
+        sources.append(("tf-shard", "read", sharegpt_conversations(conversations, "train", seed=1), TF_SHARD, tf_seq))
+    jobs = []
+    for prefix, kind, items, default, seq in sources:
+        size = _shard_size(default, seq, per_token)
+        for i in range(0, len(items), size):
+            chunk = items[i:i + size]
+            jobs.append(Job(root / f"{prefix}-{i // size:05d}-{len(chunk)}", kind, chunk, seq))
+    return jobs
+
+
 def distill(
     model_dir: str | os.PathLike, *, num_prompts: int, max_new_tokens: int, layers: list[int],
-    batch_size: int = 32, dtype: str = "bfloat16", teacher_forced_samples: int = 0,
-) -> DistillData:
+    batch_size: int = 32, dtype: str = "bfloat16", teacher_forced_samples: int = 0, tf_max_tokens: int = TF_MAX_TOKENS,
+    device: Any = "auto", trust_remote_code: bool = False, parallel: Parallel | None = None,
+) -> ShardedData:
     """Cached training data: the base's answers to the first `num_prompts` training prompts, plus
     `teacher_forced_samples` ShareGPT answers read by the base. Stored in shards that each appear
     atomically, so an interrupted generation resumes at the first missing shard and a larger
-    request reuses a smaller one's shards."""
+    request reuses a smaller one's shards. The memory preflight runs before the base is loaded;
+    under torchrun each rank makes its share of the missing shards."""
+    model_dir, device = Path(model_dir), resolve_device(device)
+    parallel = parallel or Parallel(device=device)
+    layers = sorted(layers)
+    settings = {"max_new_tokens": max_new_tokens, "layers": layers, "dtype": dtype, "max_prompt_tokens": MAX_PROMPT_TOKENS,
+                "tf_max_tokens": tf_max_tokens}
+    root = cache_dir() / "spec_data" / cache_key(model_dir, settings)
+    per_token = memory.hidden_bytes_per_token(memory.Arch.read(model_dir), len(layers))
+    gen_seq = MAX_PROMPT_TOKENS + max_new_tokens
+    jobs = _jobs(root, num_prompts, teacher_forced_samples, gen_seq, tf_max_tokens, per_token)
+    mine = parallel.mine([job for job in jobs if not (job.folder / INFO_FILE).is_file()])
+    if mine:
+        memory.check_disk(root, sum(len(job.items) * job.seq for job in mine) * per_token)
+        largest = max(len(job.items) for job in mine)
+        device_map = memory.plan_distillation(
+            model_dir, device, batch=min(batch_size, largest), seq=gen_seq, tf_batch=TF_BATCH, tf_seq=tf_max_tokens,
+            num_layers_kept=len(layers), shard_samples=largest, world=parallel.world)
+        _make(model_dir, mine, dtype=dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code,
+              batch_size=batch_size, max_new_tokens=max_new_tokens, layers=layers, tf_max_tokens=tf_max_tokens)
+    parallel.barrier()  # every rank's shards are published
+    return ShardedData([job.folder for job in jobs])
+
+
+def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device, device_map: str | None,
+          trust_remote_code: bool, batch_size: int, max_new_tokens: int, layers: list[int], tf_max_tokens: int) -> None:
+    """Load the base once and write each shard as soon as it is made."""
     from tqdm import tqdm
 
-    from specdeploy.data import sharegpt_conversations
     from specdeploy.models import load_tokenizer
 
-    model_dir = Path(model_dir)
-    settings = {"max_new_tokens": max_new_tokens, "layers": sorted(layers), "dtype": dtype, "max_prompt_tokens": MAX_PROMPT_TOKENS}
-    root = cache_root() / "spec_data" / cache_key(model_dir, settings)
-    jobs = []  # (folder, kind, items)
-    prompts = chat_prompts(num_prompts, "train")
-    for i in range(0, len(prompts), SHARD):
-        jobs.append((root / f"shard-{i // SHARD:05d}-{len(prompts[i:i + SHARD])}", "generate", prompts[i:i + SHARD]))
-    if teacher_forced_samples:
-        convs = sharegpt_conversations(teacher_forced_samples, "train", seed=1)
-        for i in range(0, len(convs), TF_SHARD):
-            jobs.append((root / f"tf-shard-{i // TF_SHARD:05d}-{len(convs[i:i + TF_SHARD])}", "read", convs[i:i + TF_SHARD]))
-    missing = [job for job in jobs if not (job[0] / "info.json").is_file()]
-    if missing:
-        model, tokenizer = load_base(model_dir, dtype), load_tokenizer(model_dir)
-        bar = tqdm(total=sum(len(job[2]) for job in missing), desc="self-distillation", unit="sample")
-        for folder, kind, items in missing:
-            if kind == "generate":
-                data = generate(model, tokenizer, items, max_new_tokens=max_new_tokens, layers=sorted(layers),
-                                batch_size=batch_size, progress=bar)
-            else:
-                data = teacher_forced(model, tokenizer, items, layers=sorted(layers), progress=bar)
-            _publish(data, folder)
-        bar.close()
-    return concat([load(job[0]) for job in jobs])
+    model = load_base(model_dir, dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(model_dir)
+    bar = tqdm(total=sum(len(job.items) for job in jobs), desc="self-distillation", unit="sample")
+    for job in jobs:
+        if job.kind == "generate":
+            data = generate(model, tokenizer, job.items, max_new_tokens=max_new_tokens, layers=layers,
+                            batch_size=batch_size, progress=bar)
+        else:
+            data = teacher_forced(model, tokenizer, job.items, layers=layers, max_tokens=tf_max_tokens, progress=bar)
+        _publish(data, job.folder)
+        del data  # freed before the next shard is made: one shard in RAM at a time
+    bar.close()
 
 
 def _publish(data: DistillData, final: Path) -> None:

@@ -87,7 +87,7 @@ def init_module(model: Any, d2t: torch.Tensor | None) -> None:
     if hasattr(module, "d2t") and d2t is not None:
         module.d2t.copy_(d2t)
     if hasattr(module, "lm_head"):
-        rows = torch.arange(module.lm_head.weight.shape[0])
+        rows = torch.arange(module.lm_head.weight.shape[0], device=base_head.device)
         if hasattr(module, "d2t"):
             rows = rows + module.d2t
         module.lm_head.weight.copy_(base_head[rows])
@@ -104,7 +104,7 @@ def draft_rows(model: Any) -> torch.Tensor | None:
     module = model.eagle_module
     if not hasattr(module, "d2t"):
         return None
-    return torch.arange(len(module.d2t)) + module.d2t
+    return torch.arange(len(module.d2t), device=module.d2t.device) + module.d2t
 
 
 @torch.no_grad()

@@ -1,5 +1,11 @@
 """Train a Medusa or EAGLE module (ModelOpt-converted model, base frozen) on cached
-self-distillation data; checkpointed (safetensors) and resumable; writes the spec/ contract."""
+self-distillation data; checkpointed (safetensors) and resumable; writes the spec/ contract.
+
+Training runs on the stage's device: the base without its decoder layers (embeddings and lm_head:
+all the module needs besides the cached hidden states) in `frozen_dtype(device)` (bf16 on a GPU,
+fp32 on the CPU), the module's master weights in fp32, the forward under bf16 autocast on the
+device's type. The budget is a number of steps, never wall-clock time, so the same settings make
+the same module on another machine. Data-parallel under torchrun (spec.parallel)."""
 
 from __future__ import annotations
 
@@ -15,13 +21,21 @@ from typing import Any
 import torch
 
 from specdeploy.choices import DEFAULT_TREE_10, validate_choices
+from specdeploy.device import frozen_dtype, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
-from specdeploy.spec import EAGLE_EXPORT, MODULE_FILE, SPEC_CONFIG, convert_model, module_state_dict
+from specdeploy.preflight import dtype_bytes
+from specdeploy.spec import (EAGLE_EXPORT, MODULE_FILE, SPEC_CONFIG, convert_model, load_module_weights, module_state_dict,
+                             read_spec_config)
 from specdeploy.spec import eagle as eagle_spec
 from specdeploy.spec import medusa as medusa_spec
-from specdeploy.spec.common import load_base, load_checkpoint, save_checkpoint, save_tensors
-from specdeploy.spec.distill import DistillData, distill
+from specdeploy.spec import memory
+from specdeploy.spec.common import load_checkpoint, load_offline_base, save_checkpoint, save_tensors
+from specdeploy.spec.distill import TF_MAX_TOKENS, distill
+from specdeploy.spec.parallel import Parallel
+from specdeploy.spec.shards import DistillData, ShardedData
+
+Data = DistillData | ShardedData  # in memory (tests) or on disk (the stage): the same interface
 
 AUTOCAST = os.environ.get("SPECDEPLOY_TRAIN_AUTOCAST", "1") == "1"
 MEDUSA_TREE: list[list[int]] = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -39,6 +53,7 @@ class TrainSettings:
     num_prompts: int = 128
     max_new_tokens: int = 192
     teacher_forced: int = 256  # extra ShareGPT answers read (not generated) by the base
+    tf_max_tokens: int = TF_MAX_TOKENS  # each read conversation is cut to this many tokens
     distill_batch: int = 64
     medusa_heads: int = 3
     medusa_layers: int = 1
@@ -46,7 +61,6 @@ class TrainSettings:
     eagle_layers: int = 1
     draft_vocab: int = eagle_spec.DEFAULT_DRAFT_VOCAB
     ttt_steps: int = 3
-    time_budget_s: float = 0.0  # stop early (and still save) after this many training seconds; 0 = none
     checkpoint_every: int = 50
     seed: int = 0
     choices: list[list[int]] | None = None
@@ -57,7 +71,7 @@ class TrainSettings:
         if self.num_prompts < 0 or self.teacher_forced < 0 or self.num_prompts + self.teacher_forced == 0:
             raise SpecDeployError("no training data: num-prompts and teacher-forced are both 0 (or negative)",
                                   hint="e.g. --num-prompts 128 (generated answers) and/or --teacher-forced 256")
-        for name in ("steps", "batch_size", "window", "max_new_tokens", "medusa_heads", "eagle_layers", "ttt_steps"):
+        for name in ("steps", "batch_size", "window", "max_new_tokens", "tf_max_tokens", "medusa_heads", "eagle_layers", "ttt_steps"):
             if getattr(self, name) <= 0:
                 raise SpecDeployError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}", hint="pass a positive value")
         if self.lr <= 0:
@@ -89,49 +103,66 @@ def _modelopt_config(settings: TrainSettings, base_config: Any, offline: bool) -
     )
 
 
-def _batch(data: DistillData, settings: TrainSettings, gen: torch.Generator, extra: dict) -> dict:
-    n = len(data.tokens)
+def _batch(data: Data, settings: TrainSettings, gen: torch.Generator, fixed: dict, parallel: Parallel) -> dict:
+    """This rank's slice of the step's global batch (drawn from `gen`, the same on every rank),
+    on the device. Only the rows a batch needs are read from the hidden-state shards."""
+    device = parallel.device
     if settings.kind == "medusa":
-        valid_pos = data.valid.nonzero().squeeze(1)
-        pick = valid_pos[torch.randint(len(valid_pos), (settings.batch_size * settings.window,), generator=gen)]
-        return {"positions": pick, "tokens": data.tokens, "hidden": data.hidden, **extra}
+        valid_pos = fixed["valid_positions"]
+        pick = parallel.split(valid_pos[torch.randint(len(valid_pos), (settings.batch_size * settings.window,), generator=gen)])
+        return {"positions": pick.to(device), "h": data.hidden[fixed["last_layer"]][pick].to(device),
+                "tokens": fixed["tokens"], "sample_ids": fixed["sample_ids"], "vocab_ids": fixed["vocab_ids"]}
+    n = len(data.tokens)
     window = min(settings.window, n)
-    starts = torch.randint(0, n - window + 1, (settings.batch_size,), generator=gen).tolist()
+    starts = parallel.split(torch.randint(0, n - window + 1, (settings.batch_size,), generator=gen)).tolist()
     rows = [slice(s, s + window) for s in starts]
     return {
-        "tokens": torch.stack([data.tokens[r] for r in rows]),
-        "valid": torch.stack([data.valid[r] for r in rows]),
-        "hidden": {k: torch.stack([v[r] for r in rows]) for k, v in data.hidden.items()},
+        "tokens": torch.stack([data.tokens[r] for r in rows]).to(device),
+        "valid": torch.stack([data.valid[r] for r in rows]).to(device),
+        "hidden": {k: torch.stack([v[r] for r in rows]).to(device) for k, v in data.hidden.items()},
     }
 
 
-def _lr(settings: TrainSettings, step: int, elapsed: float = 0.0) -> float:
-    """Warmup, then cosine to 10%; a time-budgeted run anneals by whichever ends first."""
-    warmup = min(max(1, settings.steps // 20), 20)  # short: a time budget may stop long before `steps`
+def _fixed(data: Data, settings: TrainSettings, extra: dict, num_layers: int, device: torch.device) -> dict:
+    """Per-run tensors a Medusa step reads (tokens and sample ids: 16 bytes a position)."""
+    if settings.kind != "medusa":
+        return {}
+    return {"valid_positions": data.valid.nonzero().squeeze(1), "last_layer": num_layers,
+            "tokens": data.tokens.to(device), "sample_ids": medusa_spec.sample_ids(data.valid).to(device),
+            "vocab_ids": torch.tensor(extra["draft_vocab_ids"], device=device)}
+
+
+def _lr(settings: TrainSettings, step: int) -> float:
+    """Warmup, then cosine to 10% at the last step."""
+    warmup = min(max(1, settings.steps // 20), 20)
     if step < warmup:
         return settings.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, settings.steps - warmup)
-    if settings.time_budget_s:
-        progress = max(progress, elapsed / settings.time_budget_s)
     return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def build_training_model(base_dir: Path, settings: TrainSettings, data: DistillData) -> tuple[Any, dict, dict]:
+def build_training_model(base_dir: Path, settings: TrainSettings, data: Data, *, device: torch.device,
+                         trust_remote_code: bool = False) -> tuple[Any, dict, dict]:
     """The converted model ready to train, the online modelopt config, and extra facts to record."""
-    model = load_base(base_dir, "float32")
-    num_layers = model.config.num_hidden_layers
-    config = _modelopt_config(settings, model.config, offline=True)
+    from transformers import AutoConfig
+
+    base_config = AutoConfig.from_pretrained(base_dir, trust_remote_code=trust_remote_code)
+    num_layers = base_config.num_hidden_layers
+    model = load_offline_base(base_dir, frozen_dtype(device), device=device, trust_remote_code=trust_remote_code)
+    config = _modelopt_config(settings, base_config, offline=True)
     convert_model(model, settings.kind, config)
+    # ModelOpt gives the module the base's dtype (bf16 on a GPU): train fp32 master weights
+    (model.medusa_heads if settings.kind == "medusa" else model.eagle_module).float()
     if settings.kind == "medusa":
         medusa_spec.init_module(model)
         online = config
-        d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, min(settings.draft_vocab, model.config.vocab_size), model.config.vocab_size)
+        d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, min(settings.draft_vocab, base_config.vocab_size), base_config.vocab_size)
         ids = (d2t + torch.arange(len(d2t))).tolist()
         extra = {"draft_vocab_ids": ids, "draft_vocab_coverage": round(coverage, 4)}  # what the proposer ranks
     else:
         size = model.eagle_module.config.draft_vocab_size
-        d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, size, model.config.vocab_size)
-        eagle_spec.init_module(model, d2t if size < model.config.vocab_size else None)
+        d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, size, base_config.vocab_size)
+        eagle_spec.init_module(model, d2t if size < base_config.vocab_size else None)
         eagle_spec.use_draft_vocab_logits(model)
         extra = {"draft_vocab_size": size, "draft_vocab_coverage": round(coverage, 4)}
         online = eagle_spec.online_config(config)
@@ -139,28 +170,42 @@ def build_training_model(base_dir: Path, settings: TrainSettings, data: DistillD
     return model, online, extra
 
 
-def _step(model: Any, settings: TrainSettings, batch: dict, num_layers: int) -> tuple[torch.Tensor, list[float]]:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST):  # AMX/avx512-bf16 matmuls; master weights fp32
+def _step(model: Any, settings: TrainSettings, batch: dict, num_layers: int, device: torch.device) -> tuple[torch.Tensor, list[float]]:
+    # bf16 matmuls (AMX/avx512-bf16 on the CPU, tensor cores on a GPU); master weights fp32
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=AUTOCAST):
         if settings.kind == "medusa":
-            return medusa_spec.training_step(model, batch, num_layers)
+            return medusa_spec.training_step(model, batch)
         return eagle_spec.training_step(model, batch, num_layers, eagle_spec.hidden_layers(num_layers))
 
 
-def train(base_dir: str | Path, out_dir: str | Path, settings: TrainSettings, ckpt_dir: str | Path | None = None,
-          data: DistillData | None = None, stop_at: int | None = None) -> dict[str, Any]:
-    """Train and write spec_config.json + module.safetensors (+ eagle3_export/) into out_dir.
+@dataclass
+class Fitted:
+    """A trained module (on its converted model) and what spec_config.json records about it."""
 
-    stop_at: end this invocation after that many steps (checkpointed), as an interruption would.
-    """
+    model: Any
+    online_config: dict
+    extra: dict
+    stats: dict
+
+
+def fit(base_dir: str | Path, settings: TrainSettings, *, data: Data | None = None, ckpt_dir: str | Path | None = None,
+        stop_at: int | None = None, device: Any = "auto", parallel: Parallel | None = None,
+        trust_remote_code: bool = False) -> Fitted:
+    """Distill (cached) and train; the trained model in memory, nothing written but checkpoints."""
     settings.validate()
-    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    base_dir = Path(base_dir)
+    parallel = parallel or Parallel(device=resolve_device(device))
+    device = parallel.device
     num_layers = json.loads((base_dir / "config.json").read_text())["num_hidden_layers"]
     if data is None:
         data = distill(base_dir, num_prompts=settings.num_prompts, max_new_tokens=settings.max_new_tokens,
                        layers=data_layers(num_layers), batch_size=settings.distill_batch,
-                       teacher_forced_samples=settings.teacher_forced)
+                       teacher_forced_samples=settings.teacher_forced, tf_max_tokens=settings.tf_max_tokens,
+                       device=device, trust_remote_code=trust_remote_code, parallel=parallel)
+    memory.check_training(base_dir, settings, device, num_layers_kept=len(data.hidden),
+                          frozen_bytes=dtype_bytes(frozen_dtype(device)), world=parallel.world)
     torch.manual_seed(settings.seed)
-    model, online_config, extra = build_training_model(base_dir, settings, data)
+    model, online_config, extra = build_training_model(base_dir, settings, data, device=device, trust_remote_code=trust_remote_code)
     model.train()
     if settings.kind == "medusa":
         params = medusa_spec.trainable(model, settings.medusa_train_lm_head)
@@ -168,38 +213,56 @@ def train(base_dir: str | Path, out_dir: str | Path, settings: TrainSettings, ck
         params = eagle_spec.trainable(model)
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     ckpt = Path(ckpt_dir) if ckpt_dir else None
-    fixed = {}
-    if settings.kind == "medusa":
-        fixed = {"sample_ids": medusa_spec.sample_ids(data.valid), "vocab_ids": torch.tensor(extra["draft_vocab_ids"])}
-    steps, seconds, history = _loop(model, optimizer, params, data, settings, num_layers, ckpt, stop_at, fixed)
-    stats = _stats(history, steps, seconds, data, settings)
-    _write_spec(model, out_dir, settings, online_config, extra, stats, base_dir)
-    return stats
+    fixed = _fixed(data, settings, extra, num_layers, device)
+    steps, seconds, history = _loop(model, optimizer, params, data, settings, num_layers, ckpt, stop_at, fixed, parallel)
+    return Fitted(model, online_config, extra, _stats(history, steps, seconds, data, settings))
 
 
-def _loop(model: Any, optimizer: Any, params: list, data: DistillData, settings: TrainSettings, num_layers: int,
-          ckpt: Path | None, stop_at: int | None, fixed: dict) -> tuple[int, float, list]:
+def train(base_dir: str | Path, out_dir: str | Path | None, settings: TrainSettings, ckpt_dir: str | Path | None = None,
+          data: Data | None = None, stop_at: int | None = None, *, device: Any = "auto", parallel: Parallel | None = None,
+          trust_remote_code: bool = False) -> dict[str, Any]:
+    """Train and write spec_config.json + module.safetensors (+ eagle3_export/) into out_dir
+    (rank 0 only under torchrun: the other ranks pass None).
+
+    stop_at: end this invocation after that many steps (checkpointed), as an interruption would.
+    """
+    parallel = parallel or Parallel(device=resolve_device(device))
+    fitted = fit(base_dir, settings, data=data, ckpt_dir=ckpt_dir, stop_at=stop_at, parallel=parallel,
+                 trust_remote_code=trust_remote_code)
+    if parallel.is_main:
+        _write_spec(fitted, Path(out_dir), settings, Path(base_dir), parallel.device, trust_remote_code)
+    parallel.barrier()
+    return fitted.stats
+
+
+def _loop(model: Any, optimizer: Any, params: list, data: Data, settings: TrainSettings, num_layers: int,
+          ckpt: Path | None, stop_at: int | None, fixed: dict, parallel: Parallel) -> tuple[int, float, list]:
     """The optimisation steps, resumed from and saved to `ckpt`: (steps done, seconds, history)."""
     from tqdm import tqdm
 
-    start, history, elapsed = _resume(model, optimizer, settings, ckpt)
-    began = time.time() - elapsed  # a time budget spans every invocation of a resumed run
-    bar = tqdm(range(start, settings.steps), desc=f"train {settings.kind}", unit="step", initial=start, total=settings.steps)
+    start, history, elapsed, stale = _resume(model, optimizer, settings, ckpt)
+    parallel.barrier()  # every rank has read the checkpoint before rank 0 replaces it
+    if stale and parallel.is_main:
+        shutil.rmtree(ckpt)  # another configuration: start over
+    began = time.time() - elapsed  # seconds span every invocation of a resumed run (a record, not a budget)
+    bar = tqdm(range(start, settings.steps), desc=f"train {settings.kind}", unit="step", initial=start, total=settings.steps,
+               disable=not parallel.is_main)
     step = start
     for step in bar:
         gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)  # resumable data order
         for group in optimizer.param_groups:
-            group["lr"] = _lr(settings, step, time.time() - began)
-        loss, accs = _step(model, settings, _batch(data, settings, gen, fixed), num_layers)
+            group["lr"] = _lr(settings, step)
+        loss, accs = _step(model, settings, _batch(data, settings, gen, fixed, parallel), num_layers, parallel.device)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        parallel.average_gradients(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        history.append({"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(a, 3) for a in accs]})
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc="/".join(f"{a:.2f}" for a in accs))
-        stop = bool(settings.time_budget_s and time.time() - began >= settings.time_budget_s)
-        stop = stop or (stop_at is not None and step + 1 >= stop_at)
-        if ckpt and ((step + 1) % settings.checkpoint_every == 0 or stop):
+        loss_value, *accs = parallel.average([float(loss.detach()), *accs])
+        history.append({"step": step, "loss": round(loss_value, 4), "acc": [round(a, 3) for a in accs]})
+        bar.set_postfix(loss=f"{loss_value:.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        stop = stop_at is not None and step + 1 >= stop_at
+        if ckpt and parallel.is_main and ((step + 1) % settings.checkpoint_every == 0 or stop):
             _checkpoint(model, optimizer, settings, ckpt, step + 1, history, time.time() - began)
         if stop:
             step += 1
@@ -212,21 +275,21 @@ def _loop(model: Any, optimizer: Any, params: list, data: DistillData, settings:
 
 def _ckpt_state(settings: TrainSettings) -> dict[str, Any]:
     keep = asdict(settings)
-    for volatile in ("steps", "time_budget_s", "checkpoint_every"):
+    for volatile in ("steps", "checkpoint_every"):
         keep.pop(volatile)  # a longer run may resume a shorter one
     return keep
 
 
-def _resume(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path | None) -> tuple[int, list, float]:
+def _resume(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path | None) -> tuple[int, list, float, bool]:
+    """(first step, history, seconds so far, whether `ckpt` holds another configuration's run)."""
     if ckpt is None or not (ckpt / "state.json").is_file():
-        return 0, [], 0.0
+        return 0, [], 0.0, False
     if json.loads((ckpt / "state.json").read_text()).get("settings") != json.loads(json.dumps(_ckpt_state(settings))):
-        shutil.rmtree(ckpt)  # another configuration: start over
-        return 0, [], 0.0
+        return 0, [], 0.0, True
     module, state = load_checkpoint(ckpt, optimizer)
     model.load_state_dict(module, strict=False)
     print(f"resuming {settings.kind} training at step {state['step']} from {ckpt}")
-    return int(state["step"]), state["history"], float(state["seconds"])
+    return int(state["step"]), state["history"], float(state["seconds"]), False
 
 
 def _checkpoint(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path, step: int, history: list, seconds: float) -> None:
@@ -236,7 +299,7 @@ def _checkpoint(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path,
     save_checkpoint(ckpt, module_state_dict(model, settings.kind), optimizer, state)
 
 
-def _stats(history: list, steps: int, seconds: float, data: DistillData, settings: TrainSettings) -> dict[str, Any]:
+def _stats(history: list, steps: int, seconds: float, data: Data, settings: TrainSettings) -> dict[str, Any]:
     def mean(rows: list, key: str) -> float:
         return round(sum(r[key] for r in rows) / max(len(rows), 1), 4)
 
@@ -250,28 +313,32 @@ def _stats(history: list, steps: int, seconds: float, data: DistillData, setting
     }
 
 
-def _write_spec(model: Any, out_dir: Path, settings: TrainSettings, online_config: dict, extra: dict, stats: dict, base_dir: Path) -> None:
+def _write_spec(fitted: Fitted, out_dir: Path, settings: TrainSettings, base_dir: Path, device: torch.device,
+                trust_remote_code: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_tensors(out_dir / MODULE_FILE, module_state_dict(model, settings.kind))
+    save_tensors(out_dir / MODULE_FILE, module_state_dict(fitted.model, settings.kind))
     config = {
-        "format_version": 1, "kind": settings.kind, "modelopt_config": online_config,
-        "choices": default_choices(settings), "base_model": str(base_dir), "training": stats, **extra,
+        "format_version": 1, "kind": settings.kind, "modelopt_config": fitted.online_config,
+        "choices": default_choices(settings), "base_model": str(base_dir), "training": fitted.stats, **fitted.extra,
     }
     atomic_write_json(out_dir / SPEC_CONFIG, config)
     if settings.kind == "eagle":
-        export_eagle(base_dir, out_dir)
+        export_eagle(base_dir, out_dir, device=device, trust_remote_code=trust_remote_code)
 
 
-def export_eagle(base_dir: Path, spec_dir: Path) -> Path:
-    """ModelOpt's export_speculative_decoding of the trained module (a fresh online model)."""
+def export_eagle(base_dir: Path, spec_dir: Path, *, device: Any = "auto", trust_remote_code: bool = False) -> Path:
+    """ModelOpt's export_speculative_decoding of the trained module, from a fresh fp32 model. The
+    export copies the module's weights and config only, so the base's decoder layers are not
+    loaded (the same files as from the whole base: checked in tests)."""
     from modelopt.torch.export import export_speculative_decoding
 
-    from specdeploy.spec import load_spec_model
-
-    model = load_spec_model(base_dir, spec_dir)
+    config = read_spec_config(spec_dir)
+    model = load_offline_base(base_dir, torch.float32, device=resolve_device(device), trust_remote_code=trust_remote_code)
+    convert_model(model, "eagle", {**config["modelopt_config"], "eagle_offline": True})
+    load_module_weights(model, "eagle", spec_dir)
     tmp = spec_dir / f".{EAGLE_EXPORT}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    export_speculative_decoding(model, export_dir=str(tmp))
+    export_speculative_decoding(model.eval(), export_dir=str(tmp))
     final = spec_dir / EAGLE_EXPORT
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdeploy.device import resolve_device
 from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.types import acceptance_length
+from specdeploy.spec import memory
 from specdeploy.spec.common import chat_prompts, code_prompts
 
 CATEGORIES = ("chat", "code")
@@ -21,6 +24,7 @@ class CategoryResult:
     prompts: int = 0
     new_tokens: int = 0
     target_forwards: int = 0
+    accepted_draft_tokens: int = 0
     spec_seconds: float = 0.0
     plain_tokens: int = 0
     plain_seconds: float = 0.0
@@ -31,7 +35,7 @@ class CategoryResult:
 
     @property
     def acceptance_length(self) -> float:
-        return self.new_tokens / max(self.target_forwards, 1)
+        return acceptance_length(self.accepted_draft_tokens, self.target_forwards)
 
     @property
     def speedup(self) -> float | None:
@@ -42,6 +46,7 @@ class CategoryResult:
     def as_dict(self) -> dict[str, Any]:
         out = {"prompts": self.prompts, "acceptance_length": round(self.acceptance_length, 3),
                "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+               "accepted_draft_tokens": self.accepted_draft_tokens,
                "spec_tokens_per_s": round(self.new_tokens / self.spec_seconds, 2) if self.spec_seconds else None,
                "draft_share_of_time": round(self.draft_seconds / self.spec_seconds, 3) if self.spec_seconds else None,
                "draft_ms_per_round": round(1000 * self.draft_seconds / max(self.target_forwards, 1), 2),
@@ -104,6 +109,7 @@ def measure(
             result.prompts += 1
             result.new_tokens += out.metrics.new_tokens
             result.target_forwards += out.metrics.target_forwards
+            result.accepted_draft_tokens += out.metrics.accepted_draft_tokens
             result.per_prompt.append(round(out.metrics.acceptance_length, 3))
             result.exact += int(plain is not None and plain.token_ids == out.token_ids)
     return results
@@ -131,8 +137,9 @@ class _Timed:
 
 
 def overall(results: dict[str, CategoryResult]) -> float:
-    tokens = sum(r.new_tokens for r in results.values())
-    return tokens / max(sum(r.target_forwards for r in results.values()), 1)
+    """Acceptance length over every prompt: counts summed first (runtime.types.acceptance_length)."""
+    return acceptance_length(sum(r.accepted_draft_tokens for r in results.values()),
+                             sum(r.target_forwards for r in results.values()))
 
 
 def check_bound(results: dict[str, CategoryResult], bound: float | None) -> None:
@@ -148,12 +155,16 @@ def check_bound(results: dict[str, CategoryResult], bound: float | None) -> None
         )
 
 
-def load_for_validation(base_dir: Path, spec_dir: Path, dtype: str, proposer_options: dict[str, Any]) -> tuple[Any, Any, Any]:
+def load_for_validation(base_dir: Path, spec_dir: Path, dtype: str, proposer_options: dict[str, Any], *,
+                        device: Any = "auto", trust_remote_code: bool = False) -> tuple[Any, Any, Any]:
+    """The target on `device` (memory checked first) and the proposer, which follows the target."""
     from specdeploy.models import load_causal_lm, load_tokenizer
     from specdeploy.runtime.proposers import build_proposer
     from specdeploy.spec import read_spec_config
 
     kind = read_spec_config(spec_dir)["kind"]
-    target = load_causal_lm(base_dir, dtype=dtype)
+    device = resolve_device(device)
+    memory.check_validation(base_dir, dtype, device)
+    target = load_causal_lm(base_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     proposer = build_proposer(kind, target, spec_dir=spec_dir, **proposer_options)
     return target, load_tokenizer(base_dir), proposer

@@ -1,0 +1,66 @@
+"""Training presets of the spec stage (`--preset quick|long`), sized to the base and the hardware.
+
+Two tiers, chosen by the device and the base's parameter count (read from its safetensors
+headers): `cpu` (sized for SmolLM2-135M on 2 CPU cores; also what a base under 1B gets on a GPU,
+which then trains the same module, only faster) and `gpu` (a 1B-8B base on CUDA, after ModelOpt's
+EAGLE-3 recipe in examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with batches of
+several sequences as in its offline pipeline, a 32k draft vocabulary, a few epochs over the data).
+Budgets count steps, never seconds: the same settings make the same module on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.preflight import parameter_count
+from specdeploy.spec.train import TrainSettings
+
+KINDS = ("medusa", "eagle")
+PRESETS = ("quick", "long")
+GPU_MIN_PARAMS = 1_000_000_000
+
+# CPU tier. The base reads a ShareGPT answer (teacher-forced) ~12x faster than it writes its own
+# (batched generation); both are distilled from the base's own logits, so the presets take most
+# tokens read and a share generated. Measured with SmolLM2-135M on an idle 2-core machine:
+# ~3,400 tokens/s read, ~290 tokens/s generated, ~1.55 EAGLE steps/s (4 x 256 tokens).
+# quick (what `make engine` uses): ~2 min of data (cached, shared by both kinds and every build
+# of the same base) and ~8 min of EAGLE training (750 steps; 745 fitted the former 480 s budget).
+_CPU_QUICK_DATA = dict(num_prompts=64, teacher_forced=768)
+# long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
+# measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
+_CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048)
+# GPU tier (1B-8B). ~1.5M tokens (quick) / ~6M tokens (long), 3-4 epochs of 4 x 2048-token windows.
+_GPU_DATA = dict(max_new_tokens=512, tf_max_tokens=2048, window=2048, batch_size=4, distill_batch=32, draft_vocab=32000,
+                 checkpoint_every=250)  # an 8B module's checkpoint (module + AdamW) is ~5 GB
+TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
+    "cpu": {
+        "quick": {"eagle": dict(steps=750, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA)},
+        "long": {"eagle": dict(steps=6000, **_CPU_LONG_DATA), "medusa": dict(steps=4000, **_CPU_LONG_DATA)},
+    },
+    "gpu": {
+        "quick": {"eagle": dict(steps=600, lr=3e-4, num_prompts=512, teacher_forced=2048, **_GPU_DATA),
+                  "medusa": dict(steps=600, num_prompts=512, teacher_forced=2048, **_GPU_DATA)},
+        "long": {"eagle": dict(steps=3000, lr=3e-4, num_prompts=2048, teacher_forced=8192, **_GPU_DATA),
+                 "medusa": dict(steps=3000, num_prompts=2048, teacher_forced=8192, **_GPU_DATA)},
+    },
+}
+
+
+def tier_for(base_dir: str | os.PathLike, device: Any) -> str:
+    """'gpu' for a base of >= 1B parameters on CUDA, else 'cpu'."""
+    if device.type != "cuda":
+        return "cpu"
+    return "gpu" if parameter_count(base_dir) >= GPU_MIN_PARAMS else "cpu"
+
+
+def settings_for(kind: str, preset: str = "quick", *, tier: str = "cpu", **overrides: Any) -> TrainSettings:
+    if kind not in KINDS:
+        raise SpecDeployError(f"the spec stage trains medusa or eagle, not '{kind}'", hint="use --spec medusa|eagle")
+    if preset not in PRESETS:
+        raise SpecDeployError(f"unknown preset '{preset}'", hint=f"use one of {', '.join(PRESETS)}")
+    base = TABLE[tier][preset][kind]
+    settings = TrainSettings(kind=kind, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
+    settings.validate()
+    return settings

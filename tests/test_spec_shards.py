@@ -1,0 +1,79 @@
+"""Self-distillation data streamed to shards on disk: read back exactly, training from the shards
+equals training from the same data in memory, and the cache is keyed on the model's content."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from specdeploy.spec import distill as distill_mod
+from specdeploy.spec.distill import cache_key, distill
+from specdeploy.spec.shards import ShardedData
+from specdeploy.spec.train import TrainSettings, data_layers, train
+from tests.tiny import make_llama
+
+TINY = dict(num_prompts=9, teacher_forced=6, max_new_tokens=16, window=48, batch_size=4, draft_vocab=96, distill_batch=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def spec_cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECDEPLOY_CACHE", str(tmp_path_factory.mktemp("spec_cache")))
+    mp.setattr(distill_mod, "SHARD", 4)  # several shards from a few prompts: windows cross shard boundaries
+    mp.setattr(distill_mod, "TF_SHARD", 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_llama_dir) -> ShardedData:
+    return distill(tiny_llama_dir, num_prompts=9, max_new_tokens=16, layers=data_layers(2), batch_size=4,
+                   teacher_forced_samples=6, device="cpu")
+
+
+def test_shards_read_back_exactly(sharded):
+    assert sharded.info["shards"] == 5  # 9 prompts in shards of 4, 6 conversations in shards of 4
+    memory = sharded.materialize()
+    n = len(sharded.tokens)
+    boundary = int(sharded.starts[1])
+    assert 0 < boundary < n
+    for layer, rows in sharded.hidden.items():
+        assert rows.shape == memory.hidden[layer].shape == (n, 64)
+        assert torch.equal(rows[boundary - 5:boundary + 7], memory.hidden[layer][boundary - 5:boundary + 7])  # across shards
+        index = torch.tensor([[n - 1, 0, boundary, boundary], [3, boundary - 1, 7, 2]])  # unordered, repeated
+        assert torch.equal(rows[index], memory.hidden[layer][index])
+    assert int((~sharded.valid).sum()) == sharded.info["num_samples"] == 15
+
+
+@pytest.mark.parametrize("kind,lr", [("eagle", 3e-3), ("medusa", 2e-2)])
+def test_training_from_shards_equals_training_from_memory(tiny_llama_dir, sharded, tmp_path, kind, lr):
+    settings = dict(kind=kind, steps=4, **{**TINY, "lr": lr})
+    from_disk = train(tiny_llama_dir, tmp_path / "disk", TrainSettings(**settings), data=sharded, device="cpu")
+    from_ram = train(tiny_llama_dir, tmp_path / "ram", TrainSettings(**settings), data=sharded.materialize(), device="cpu")
+    a = load_file(str(tmp_path / "disk" / "module.safetensors"))
+    b = load_file(str(tmp_path / "ram" / "module.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert from_disk["final_loss"] == from_ram["final_loss"]
+    initial = train(tiny_llama_dir, tmp_path / "none", TrainSettings(**{**settings, "lr": 1e-12}), data=sharded, device="cpu")
+    c = load_file(str(tmp_path / "none" / "module.safetensors"))
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())  # the steps did change the module
+    assert initial["steps"] == 4
+
+
+def test_cache_key_follows_the_weights_not_the_folder(tiny_llama_dir, tmp_path):
+    settings = {"max_new_tokens": 16, "layers": [1, 2]}
+    other = tmp_path / "other"  # same architecture and file sizes, other weights
+    make_llama(other, AutoTokenizer.from_pretrained(tiny_llama_dir), seed=7)
+    assert (other / "model.safetensors").stat().st_size == (tiny_llama_dir / "model.safetensors").stat().st_size
+    assert cache_key(other, settings) != cache_key(tiny_llama_dir, settings)
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_dir, copy)
+    assert cache_key(copy, settings) == cache_key(tiny_llama_dir, settings)
+    assert cache_key(copy, {**settings, "max_new_tokens": 17}) != cache_key(tiny_llama_dir, settings)
