@@ -21,16 +21,20 @@ from typing import Any, Callable
 
 import torch
 
+from specdeploy.device import add_device_arg, announce, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
 from specdeploy.runtime.decoding import eos_token_ids, generate
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.types import SamplingParams
+from specdeploy.runtime.types import SamplingParams, acceptance_length, model_device
 
 # speculative row -> the HF method it is compared with (None: HF has no counterpart)
-SPEC_ROWS: dict[str, str | None] = {"draft": "hf-assisted", "ngram": "hf-lookup", "medusa": None, "eagle": None}
+SPEC_ROWS: dict[str, str | None] = {"draft": "hf-assisted", "ngram": "hf-lookup", "medusa": None, "eagle": None,
+                                    "dflash": None}
 HF_ROWS = ("hf-assisted", "hf-lookup", "hf-ar")
 DEFAULT_METHODS = "ar,draft,ngram,hf-assisted,hf-lookup"
+ACCEPTANCE_LENGTH = ("acceptance length: (accepted draft tokens + 1 per target forward) / target forwards, "
+                     "prefill not counted, summed over prompts (TensorRT-LLM's definition; 1.00 = plain decoding)")
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Run:
     tokens: list[int]
     seconds: float
     target_forwards: int | None = None  # known for the runtime's own methods
+    accepted_draft_tokens: int | None = None
 
 
 @dataclass
@@ -51,12 +56,15 @@ class Bench:
     spec_dirs: dict[str, str] = field(default_factory=dict)
     lookup_tokens: int = 10
     adaptive: bool = False  # the runtime's fallback to plain decoding; deployments speculate every step
+    tokenizer: Any = None  # needed by draft_shape "auto" (its calibration prompts)
+    draft_shape: str = "fixed"  # "auto": each speculative row drafts the shape the planner picks
+    plans: dict[str, dict] = field(default_factory=dict)
 
     def runner(self, method: str) -> Callable[[list[int]], Run]:
         if method == "ar":
-            return self._runtime(None)
+            return self._runtime(None, None)
         if method in SPEC_ROWS:
-            return self._runtime(self._proposer(method))
+            return self._runtime(*self._shaped(method))
         if method in HF_ROWS:
             return self._hf(method)
         known = ", ".join(["ar", *SPEC_ROWS, *HF_ROWS])
@@ -71,18 +79,34 @@ class Bench:
             raise SpecDeployError(f"the {kind} row needs its trained module", hint=f"pass --spec-dir {kind}=PATH")
         return build_proposer(kind, self.target, spec_dir=self.spec_dirs[kind], max_draft_len=self.draft_len)
 
+    def _shaped(self, kind: str) -> tuple[Any, int | None]:
+        """The row's proposer and draft length: fixed, or the planner's choice for this machine
+        (calibrated on held-out prompts, never the benchmark's own)."""
+        proposer = self._proposer(kind)
+        if self.draft_shape != "auto":
+            return proposer, self.draft_len
+        from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
+        from specdeploy.runtime.planner import calibration_prompts, choose_draft_shape, describe
+
+        plan = choose_draft_shape(self.target, proposer, calibration_prompts(self.tokenizer),
+                                  max_len=self.draft_len or DEFAULT_DRAFT_LEN)
+        self.plans[kind] = plan.as_dict()
+        _log(f"{kind}: {describe(plan)}")
+        return (proposer, plan.shape.size) if plan.shape is not None else (None, None)
+
     def _need_draft(self) -> Any:
         if self.draft is None:
             raise SpecDeployError("this method needs a draft model", hint="pass --draft")
         return self.draft
 
-    def _runtime(self, proposer) -> Callable[[list[int]], Run]:
+    def _runtime(self, proposer, draft_len: int | None) -> Callable[[list[int]], Run]:
         params = SamplingParams(max_new_tokens=self.max_new_tokens)
 
         def run(ids: list[int]) -> Run:
             start = time.perf_counter()
-            result = generate(self.target, ids, params, proposer, draft_len=self.draft_len, adaptive=self.adaptive)
-            return Run(result.token_ids, time.perf_counter() - start, result.metrics.target_forwards)
+            result = generate(self.target, ids, params, proposer, draft_len=draft_len, adaptive=self.adaptive)
+            metrics = result.metrics
+            return Run(result.token_ids, time.perf_counter() - start, metrics.target_forwards, metrics.accepted_draft_tokens)
 
         return run
 
@@ -100,7 +124,7 @@ class Bench:
         extra = {"assistant_model": self._need_draft()} if method == "hf-assisted" else {}
 
         def run(ids: list[int]) -> Run:
-            inputs = torch.tensor([ids])
+            inputs = torch.tensor([ids], device=model_device(self.target))
             start = time.perf_counter()
             with torch.inference_mode():
                 out = self.target.generate(
@@ -122,7 +146,8 @@ def divergence(target: Any, ids: list[int], reference: list[int], other: list[in
     if position is None:
         return None
     with torch.inference_mode():
-        logits = target(input_ids=torch.tensor([ids + reference[:position]]), logits_to_keep=1).logits[0, -1]
+        inputs = torch.tensor([ids + reference[:position]], device=model_device(target))
+        logits = target(input_ids=inputs, logits_to_keep=1).logits[0, -1]
     margin = float(logits[reference[position]] - logits[other[position]])
     return {"position": position, "logit_margin": margin}
 
@@ -138,6 +163,7 @@ def _record(bench: Bench, index: int, ids: list[int], runs: dict[str, Run]) -> d
                 "seconds": r.seconds,
                 "tokens_per_s": _rate(len(r.tokens), r.seconds),
                 "target_forwards": r.target_forwards,
+                "accepted_draft_tokens": r.accepted_draft_tokens,
                 "same_as_ar": r.tokens == ar,
                 "divergence": divergence(bench.target, ids, ar, r.tokens),
             }
@@ -163,7 +189,7 @@ def run_bench(bench: Bench, prompts: list[list[int]], methods: list[str], *, log
         order = methods[i % len(methods) :] + methods[: i % len(methods)]
         records.append(_record(bench, i, ids, {m: runners[m](ids) for m in order}))
         log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{m} {records[-1]['runs'][m]['tokens_per_s']:.2f} tok/s" for m in order))
-    return {"methods": summarize(records, methods), "prompts": records}
+    return {"methods": summarize(records, methods), "prompts": records, "definitions": {"acceptance_length": ACCEPTANCE_LENGTH}}
 
 
 def summarize(records: list[dict], methods: list[str]) -> dict[str, dict]:
@@ -172,9 +198,11 @@ def summarize(records: list[dict], methods: list[str]) -> dict[str, dict]:
         tokens = sum(r["runs"][m]["new_tokens"] for r in records)
         seconds = sum(r["runs"][m]["seconds"] for r in records)
         forwards = [r["runs"][m]["target_forwards"] for r in records]
+        accepted = [r["runs"][m]["accepted_draft_tokens"] for r in records]
+        known = None not in forwards and None not in accepted  # the runtime's own rows
         totals[m] = {
             "tokens_per_s": _rate(tokens, seconds),
-            "acceptance_length": tokens / sum(forwards) if None not in forwards and sum(forwards) else None,
+            "acceptance_length": acceptance_length(sum(accepted), sum(forwards)) if known else None,
         }
     for m in methods:
         summary = totals[m]
@@ -198,8 +226,9 @@ def print_table(summary: dict[str, dict], title: str) -> None:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    table = Table(title=title, caption="max margin: largest target logit gap where an output left AR's (near 0: a tie)")
-    for column in ("method", "tok/s", "vs AR", "vs HF", "worst vs AR", "tok/forward", "= AR", "max margin"):
+    caption = f"accept len = {ACCEPTANCE_LENGTH}\nmax margin: largest target logit gap where an output left AR's (near 0: a tie)"
+    table = Table(title=title, caption=caption)
+    for column in ("method", "tok/s", "vs AR", "vs HF", "worst vs AR", "accept len", "= AR", "max margin"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for method, s in summary.items():
         table.add_row(
@@ -252,6 +281,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wrap prompts in the chat template (default: for sharegpt only)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-len", type=int, help="most draft tokens per round (default: the runtime's)")
+    parser.add_argument("--draft-shape", choices=["fixed", "auto"], default="fixed",
+                        help="auto: each speculative row drafts the chain length / tree size the runtime's planner "
+                             "picks for this machine (calibrated on held-out prompts before the run)")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated, from ar, {', '.join(SPEC_ROWS)}, {', '.join(HF_ROWS)}")
     parser.add_argument("--spec-dir", action="append", default=[], metavar="KIND=PATH",
@@ -261,6 +293,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let the runtime fall back to plain decoding while speculation does not pay "
                              "(default: speculate every step, as the deployments do)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_device_arg(parser)
     parser.add_argument("--build-root", default="build", help="results go to <build-root>/bench/ unless --out")
     parser.add_argument("--out", help="JSON results path")
     parser.add_argument("--served", metavar="BUILD_DIR",
@@ -301,22 +334,27 @@ def main(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     spec_dirs = {**trained_modules(Path(args.build_root), args.model), **dict(item.split("=", 1) for item in args.spec_dir)}
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_model(resolve_model_dir(args.model), args.dtype)
+    device = resolve_device(args.device)
+    where = announce("bench", device)  # every row (the runtime's and Hugging Face's) runs there
+    target, tokenizer = load_model(resolve_model_dir(args.model), args.dtype, device)
     needs_draft = {"draft", "hf-assisted"} & set(methods)
-    draft = load_model(resolve_model_dir(args.draft), args.dtype)[0] if needs_draft else None
+    draft = load_model(resolve_model_dir(args.draft), args.dtype, device)[0] if needs_draft else None
     chat = args.prompts == "sharegpt" if args.chat is None else args.chat
     prompts = load_prompts(args.prompts, args.num_prompts, tokenizer, chat)
-    bench = Bench(target, draft, args.max_new_tokens, args.draft_len, spec_dirs, adaptive=args.adaptive)
+    bench = Bench(target, draft, args.max_new_tokens, args.draft_len, spec_dirs, adaptive=args.adaptive,
+                  tokenizer=tokenizer, draft_shape=args.draft_shape)
     load_before = os.getloadavg()
     results = run_bench(bench, prompts, methods)
+    results["plans"] = bench.plans
     results["settings"] = vars(args)
-    results["machine"] = {"cpu_count": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
-    name = f"{Path(args.model).name}-{args.dtype}-{args.prompts}-{args.max_new_tokens}.json"
+    results["machine"] = {"cpu_count": os.cpu_count(), "device": where, "loadavg_before": load_before,
+                          "loadavg_after": os.getloadavg()}
+    name = f"{Path(args.model).name}-{args.dtype}-{device.type}-{args.prompts}-{args.max_new_tokens}.json"
     out = Path(args.out) if args.out else Path(args.build_root) / "bench" / name
     atomic_write_json(out, results)
     pair = f"{args.model} + {args.draft}" if draft is not None else args.model
-    title = (f"{pair}, {args.dtype}, greedy, {len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens"
-             + (", adaptive" if args.adaptive else ""))
+    title = (f"{pair}, {args.dtype} on {where}, greedy, {len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens"
+             + (", adaptive" if args.adaptive else "") + (", planned draft shapes" if args.draft_shape == "auto" else ""))
     print_table(results["methods"], title)
     print(f"results: {out}")
     return 0

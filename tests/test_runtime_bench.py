@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from specdeploy.bench import DEFAULT_METHODS, Bench, divergence, run_bench
+from specdeploy.bench import ACCEPTANCE_LENGTH, DEFAULT_METHODS, Bench, divergence, run_bench
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.types import acceptance_length
 from tests.test_runtime_helpers import PROMPTS, draft, hf_greedy, one_thread, target, tokenizer  # noqa: F401
 
 
@@ -19,13 +20,30 @@ def test_bench_rows(target, draft, tokenizer):
     summary = results["methods"]
     assert set(summary) == set(methods)
     assert [r["runs"].keys() for r in results["prompts"]] == [set(methods)] * 2
-    for method in ("draft", "ngram"):
+    rate = {m: summary[m]["tokens_per_s"] for m in methods}
+    for method, hf in (("draft", "hf-assisted"), ("ngram", "hf-lookup")):
+        runs = [r["runs"][method] for r in results["prompts"]]
         assert summary[method]["same_as_ar"] == 1.0  # fp32 greedy: exact
-        assert summary[method]["speedup_vs_ar"] > 0 and summary[method]["speedup_vs_hf"] > 0
-        assert summary[method]["worst_prompt_vs_ar"] <= summary[method]["speedup_vs_ar"] * 1.5
-    assert summary["ar"]["acceptance_length"] == pytest.approx(12 / 11, abs=0.1)
+        assert summary[method]["speedup_vs_ar"] == pytest.approx(rate[method] / rate["ar"])
+        assert summary[method]["speedup_vs_hf"] == pytest.approx(rate[method] / rate[hf])
+        assert summary[method]["worst_prompt_vs_ar"] == pytest.approx(
+            min(r["runs"][method]["tokens_per_s"] / r["runs"]["ar"]["tokens_per_s"] for r in results["prompts"]))
+        # the one definition, from the summed counts of every prompt
+        accepted, forwards = sum(r["accepted_draft_tokens"] for r in runs), sum(r["target_forwards"] for r in runs)
+        assert summary[method]["acceptance_length"] == pytest.approx(acceptance_length(accepted, forwards))
+    assert summary["ar"]["acceptance_length"] == 1.0  # plain decoding accepts nothing
     assert summary["hf-ar"]["same_as_ar"] == 1.0  # the runtime's own AR equals transformers
     assert summary["hf-assisted"]["acceptance_length"] is None
+    assert "accepted draft tokens + 1 per target forward" in results["definitions"]["acceptance_length"]
+
+
+def test_bench_acceptance_length_of_a_perfect_draft(target, tokenizer):
+    """The target drafting for itself: every draft accepted, so about draft_len + 1 tokens per forward."""
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    summary = run_bench(Bench(target, target, max_new_tokens=21, draft_len=4), prompts, ["draft"], log=lambda _: None)["methods"]
+    assert summary["draft"]["same_as_ar"] == 1.0
+    # 21 tokens: 1 from the prefill, then rounds of 4 accepted + 1 (the EOS may cut one short)
+    assert 3.0 < summary["draft"]["acceptance_length"] <= 5.0
     assert summary["draft"]["max_divergence_margin"] is None  # nothing diverged
 
 
@@ -47,11 +65,14 @@ def test_bench_command(tiny_llama_dir, tiny_draft_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("specdeploy.bench.load_prompts", lambda source, n, tok, chat: [tok(p)["input_ids"] for p in PROMPTS[:n]])
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(tiny_llama_dir), "--draft", str(tiny_draft_dir), "--dtype", "float32"]
-    argv += ["--num-prompts", "2", "--max-new-tokens", "6", "--methods", "draft,ngram,hf-lookup", "--threads", "1", "--out", str(out)]
+    argv += ["--num-prompts", "2", "--max-new-tokens", "6", "--methods", "draft,ngram,hf-lookup", "--threads", "1",
+             "--out", str(out), "--device", "cpu"]
     assert cli_main(argv) == 0
     results = json.loads(out.read_text())
     assert set(results["methods"]) == {"ar", "draft", "ngram", "hf-lookup"}
     assert results["settings"]["max_new_tokens"] == 6 and len(results["prompts"]) == 2
+    assert results["settings"]["device"] == "cpu" and results["machine"]["device"].startswith("cpu (")
+    assert ACCEPTANCE_LENGTH == results["definitions"]["acceptance_length"]
 
 
 def test_bench_finds_the_modules_make_engine_trained_for_the_model(tmp_path):

@@ -25,13 +25,15 @@ def references(target, tokenizer):
     return refs
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "draft", "self_draft"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft", "draft_restricted", "self_draft"])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_matches_transformers(kind, adaptive, target, draft, references):
     proposer = {
         "none": lambda: None,
         "ngram": lambda: build_proposer("ngram", target),
         "draft": lambda: build_proposer("draft", target, draft_model=draft),
+        # a head over 64 of 384 ids (+ the request's own) that stops at unsure tokens
+        "draft_restricted": lambda: build_proposer("draft", target, draft_model=draft, head_rows=64, stop_below=0.5),
         # the target drafting for itself: every token accepted, exercises long accepted groups
         "self_draft": lambda: build_proposer("draft", target, draft_model=target),
     }[kind]()

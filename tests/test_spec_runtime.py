@@ -181,3 +181,39 @@ def test_medusa_reduced_vocabulary_proposes_only_inside_it(target):
     assert len(tree) == 4 and set(tree.tokens.tolist()) <= set(vocab.tolist())
     params = SamplingParams(max_new_tokens=20)
     assert generate(target, PROMPTS[0], params, reduced, adaptive=False).token_ids == generate(target, PROMPTS[0], params).token_ids
+
+
+def _exhaustive_dynamic(proposer, logp, h, pos, max_tokens):
+    """EAGLE-2's dynamic tree expanded to full depth, no early exit: the reference."""
+    nodes = []
+    level = proposer._add_children(nodes, -1, logp, min(proposer.topk, max_tokens))
+    for _ in range(1, proposer.depth):
+        best = sorted(level, key=lambda i: -nodes[i].score)[: proposer.width]
+        proposer._expand(nodes, best, h, pos)
+        level = [c for i in best for c in proposer._add_children(nodes, i, nodes[i].logp, proposer.topk)]
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))[:max_tokens]
+    return [(nodes[i].draft_id, nodes[i].depth) for i in sorted(order, key=lambda i: (nodes[i].depth, i))]
+
+
+@pytest.mark.parametrize("budget", [3, 5, 10])
+def test_dynamic_early_exit_keeps_the_same_tree(target, budget):
+    """Stopping the depth loop once no descendant can enter the kept set drafts exactly the tree
+    that full-depth expansion keeps, with fewer module calls."""
+    recorder = Recorder(build_proposer("eagle", target, mode="dynamic", depth=5, topk=3, width=2, budget=budget))
+    for prompt in PROMPTS:
+        generate(target, prompt, SamplingParams(max_new_tokens=16), recorder, adaptive=False)
+    calls = 0
+    for tokens, _ in recorder.rounds:
+        proposer = build_proposer("eagle", target, mode="dynamic", depth=5, topk=3, width=2, budget=budget)
+        state = _full_state(target, tokens, proposer.hidden_layers)
+        forward, counted = proposer.module.forward, []
+        proposer.module.forward = lambda *a, **k: counted.append(1) or forward(*a, **k)
+        with torch.inference_mode():
+            logp, h, pos = proposer._ingest(state)
+            counted.clear()
+            nodes, keep = proposer._dynamic(logp, h, pos, budget)
+            calls += len(counted)
+            proposer.cache.crop(proposer.cache_len)
+            reference = _exhaustive_dynamic(proposer, logp, h, pos, budget)
+        assert [(nodes[i].draft_id, nodes[i].depth) for i in keep] == reference
+    assert calls < (proposer.depth - 1) * len(recorder.rounds)  # some rounds stopped early

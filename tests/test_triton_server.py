@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from specdeploy import models
 from specdeploy.manifest import BuildDir
-from specdeploy.runtime.deployment import load_decoder
+from specdeploy.runtime.deployment import deployment_device, load_decoder
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import package
 from specdeploy.triton.measure import inprocess_speed, served_speed
@@ -249,6 +251,41 @@ def test_server_still_healthy_after_bad_requests(server, decoder):
     text, _ = reference(decoder, max_tokens=5)
     status, body = http_post(server, "/v2/models/ensemble/generate", {"text_input": PROMPT, "max_tokens": 5})
     assert status == 200 and json.loads(body)["text_output"] == text
+
+
+# ---------------------------------------------------------------------------------------------
+# where the model computes
+
+
+def test_model_logs_the_device_it_computes_on(server, build_root):
+    """A KIND_CPU instance computes where deployment.json says (the CPU here) and says so on load."""
+    path = build_root / "triton_repo" / "cpu" / "tensorrt_llm" / "1" / "deployment.json"
+    where = deployment_device(json.loads(path.read_text()), path)
+    log = Path(server.log_path).read_text(errors="replace")
+    said = re.search(r"specdeploy tensorrt_llm: .*deployment\.json, computing on (\S+) \(.*\), instance .*\((\w+)\)", log)
+    assert said, log[-2000:]
+    assert said.groups() == (str(where), "CPU")
+
+
+@pytest.mark.gpu
+def test_kind_gpu_instance_serves_on_its_gpu(build_root):
+    """The CPU repository's tensorrt_llm as a KIND_GPU instance: Triton's device id picks the
+    GPU (over deployment.json's cpu), and the served text equals the runtime on CUDA."""
+    repo = build_root / "triton_repo" / "cpu_kind_gpu"  # beside cpu/: deployment.json's relative paths hold
+    shutil.copytree(build_root / "triton_repo" / "cpu", repo, dirs_exist_ok=True)
+    config = repo / "tensorrt_llm" / "config.pbtxt"
+    text = config.read_text()
+    assert "kind: KIND_CPU" in text
+    config.write_text(re.sub(r"kind: KIND_CPU", "kind: KIND_GPU gpus: [ 0 ]", text))
+    deployment = repo / "tensorrt_llm" / "1" / "deployment.json"
+    deployment.write_text(json.dumps({**json.loads(deployment.read_text()), "device": "cpu"}))
+    on_cuda = load_decoder(deployment, device="cuda:0")
+    expected, _ = reference(on_cuda)
+    with TritonServer(repo, log_path=build_root / "logs" / "kind-gpu.log", threads=1) as srv:
+        with StreamClient(srv.grpc_url) as client:
+            assert client.generate(PROMPT, MAX_TOKENS).text == expected
+        log = Path(srv.log_path).read_text(errors="replace")
+    assert "computing on cuda:0" in log and "(GPU)" in log, log[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from specdeploy.device import add_device_arg, announce, resolve_device
 from specdeploy.runtime.types import SamplingParams
 
 
@@ -14,11 +15,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deployment", help="a deployment.json from the package stage (overrides --model/--spec)")
     parser.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf file or bundled name")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--spec", default="ngram", choices=["none", "draft", "ngram", "medusa", "eagle"])
+    parser.add_argument("--spec", default="ngram", choices=["none", "draft", "ngram", "medusa", "eagle", "dflash"])
     parser.add_argument("--draft", help="draft model for --spec draft (folder, .gguf or bundled name)")
     parser.add_argument("--spec-path", help="trained Medusa/EAGLE module folder for --spec medusa|eagle")
     parser.add_argument("--choices", help="Medusa/EAGLE choices tree, e.g. '[[0], [0, 0], [1]]'")
     parser.add_argument("--draft-len", type=int, help="most draft tokens per round (chains adapt up to it)")
+    parser.add_argument("--draft-shape", choices=["fixed", "auto"], default="fixed",
+                        help="auto: calibrate on held-out prompts and draft the chain length / tree size that "
+                             "maximizes expected tokens/s on this machine (see runtime/planner.py)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact)")
     parser.add_argument("--top-k", type=int, default=0)
@@ -28,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     parser.add_argument("--metrics-json", action="store_true", help="print the request's metrics as JSON on stderr")
+    # default None: a --deployment runs where its deployment.json says, a --model on `auto`
+    add_device_arg(parser, default=None)
 
 
 def _decoder(args: argparse.Namespace):
@@ -35,10 +41,10 @@ def _decoder(args: argparse.Namespace):
     from specdeploy.runtime.deployment import Decoder, load_decoder, load_model, make_proposer
 
     if args.deployment:
-        decoder = load_decoder(args.deployment)
+        decoder = load_decoder(args.deployment, device=args.device)
         decoder.chat_template = decoder.chat_template or args.chat
         return decoder
-    target, tokenizer = load_model(resolve_model_dir(args.model), args.dtype)
+    target, tokenizer = load_model(resolve_model_dir(args.model), args.dtype, resolve_device(args.device or "auto"))
     spec = {
         "kind": args.spec,
         "draft_model_dir": str(resolve_model_dir(args.draft)) if args.draft else None,
@@ -47,6 +53,19 @@ def _decoder(args: argparse.Namespace):
     }
     proposer = make_proposer(spec, target, tokenizer)
     return Decoder(target, tokenizer, proposer, draft_len=args.draft_len, chat_template=args.chat)
+
+
+def _plan_shape(decoder, max_len: int | None) -> None:
+    """--draft-shape auto: the planner's shape for this machine (or plain decoding)."""
+    from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
+    from specdeploy.runtime.planner import calibration_prompts, choose_draft_shape, describe
+
+    prompts = calibration_prompts(decoder.tokenizer)
+    plan = choose_draft_shape(decoder.target, decoder.proposer, prompts, max_len=max_len or DEFAULT_DRAFT_LEN)
+    print(f"specdeploy generate: {describe(plan)}", file=sys.stderr)
+    decoder.proposer = decoder.proposer if plan.shape is not None else None
+    decoder.draft_len = plan.shape.size if plan.shape is not None else None
+    decoder.adaptive = False  # the plan is the schedule: every round drafts its shape
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,6 +80,9 @@ def main(args: argparse.Namespace) -> int:
     )
     params.validate()  # fail before loading models
     decoder = _decoder(args)
+    announce("generate", decoder.device)
+    if args.draft_shape == "auto" and decoder.proposer is not None:
+        _plan_shape(decoder, args.draft_len)
 
     def show(piece: str) -> None:
         print(piece, end="", flush=True)

@@ -25,6 +25,7 @@ from specdeploy.runtime.types import (
     Proposer,
     SamplingParams,
     TargetState,
+    model_device,
 )
 from specdeploy.runtime.verify import Acceptance, accept, is_chain, tree_attention_mask, tree_position_ids
 
@@ -71,7 +72,7 @@ def decode_one_token(
     hidden_layers: tuple[int, ...] = (),
 ) -> tuple[int, Hidden]:
     """Run the pending token; the next token."""
-    logits, hidden = _forward(model, torch.tensor([[token]]), cache, hidden_layers)
+    logits, hidden = _forward(model, torch.tensor([[token]], device=model_device(model)), cache, hidden_layers)
     return next_token(logits[-1], params, generator), hidden
 
 
@@ -86,18 +87,19 @@ def speculative_decode(
 ) -> tuple[Acceptance, Hidden]:
     """One round: verify the pending token + `tree` in one forward, accept a path, trim the cache."""
     prefix_len = cache.get_seq_length()
-    input_ids = torch.cat([torch.tensor([token]), tree.tokens.long()])[None]
+    device = model_device(model)
+    input_ids = torch.cat([torch.tensor([token], device=device), tree.tokens.to(device=device, dtype=torch.long)])[None]
     if is_chain(tree.parents):
         # a chain is causal: the model's own mask and positions are the tree mask
         logits, hidden = _forward(model, input_ids, cache, hidden_layers)
     else:
-        mask = tree_attention_mask(tree.parents, prefix_len, model.dtype)
-        positions = tree_position_ids(tree, prefix_len)
+        mask = tree_attention_mask(tree.parents, prefix_len, model.dtype, device)
+        positions = tree_position_ids(tree, prefix_len, device)
         logits, hidden = _forward(model, input_ids, cache, hidden_layers, attention_mask=mask, position_ids=positions)
     acceptance = accept(tree, logits, params, generator)
     keep_path(cache, prefix_len, acceptance.path)
-    rows = torch.tensor([0] + [node + 1 for node in acceptance.path])
-    return acceptance, {layer: states[:, rows] for layer, states in hidden.items()}
+    rows = [0] + [node + 1 for node in acceptance.path]
+    return acceptance, {layer: states[:, torch.tensor(rows, device=states.device)] for layer, states in hidden.items()}
 
 
 def prune(tree: DraftTree, max_nodes: int, max_depth: int) -> DraftTree:
@@ -156,8 +158,8 @@ class _Output:
         return self.finish_reason is not None
 
 
-def _prompt_tensor(prompt_ids: torch.Tensor | list[int], context_length: int) -> torch.Tensor:
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+def _prompt_tensor(prompt_ids: torch.Tensor | list[int], context_length: int, device: torch.device) -> torch.Tensor:
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     if prompt.dim() == 2 and prompt.shape[0] == 1:
         prompt = prompt[0]
     if prompt.dim() != 1:
@@ -204,7 +206,8 @@ def generate(
     """
     params.validate()
     context_length = context_length or target.config.max_position_embeddings
-    prompt = _prompt_tensor(prompt_ids, context_length)
+    device = model_device(target)  # every tensor of the request lives there
+    prompt = _prompt_tensor(prompt_ids, context_length, device)
     if params.stop_strings and decode is None:
         raise SpecDeployError("stop strings need the tokenizer", hint="pass decode=tokenizer.decode")
     chain = proposer is None or proposer.kind == "chain"
@@ -213,7 +216,7 @@ def generate(
     timed = params.greedy or params.seed is None
     controller = AdaptiveDraftLength(max_draft, adaptive=adaptive and proposer is not None, timed=timed)
     hidden_layers = proposer.hidden_layers if proposer else ()
-    generator = make_generator(params.seed)
+    generator = make_generator(params.seed, device)
     stop_ids = eos_token_ids(target) | set(params.stop_token_ids)
     max_new = min(params.max_new_tokens, context_length - prompt.shape[1])
     output = _Output(max_new, stop_ids, params.stop_strings, decode, on_tokens)
@@ -230,10 +233,10 @@ def generate(
         done = output.extend([pending])
         while not done:
             round_start = time.perf_counter()
-            tree = DraftTree.empty()
+            tree = DraftTree.empty(device)
             length = controller.next_length() if proposer is not None else 0
             if length > 0:
-                tokens = torch.cat([prompt, torch.tensor([output.tokens])], dim=1)
+                tokens = torch.cat([prompt, torch.tensor([output.tokens], device=device)], dim=1)
                 state = TargetState(tokens=tokens, hidden=unseen, params=params, generator=generator)
                 tree = proposer.propose(state, length if chain else max_draft)
                 tree = prune(tree, max_draft, max_new - len(output.tokens) - 1)

@@ -1,27 +1,33 @@
-"""Text in, text out: what the Triton python-backend model runs on CPU.
+"""Text in, text out: what the Triton python-backend model runs (on the deployment's device).
 
-`load_decoder(deployment.json)` loads the target, its tokenizer and the proposer the package
-stage recorded; `Decoder.generate` tokenizes (with the chat template when asked), decodes with the
-runtime, and streams text increments that never split a multi-byte character or leak a stop string.
+`load_decoder(deployment.json)` loads the target on the recorded device, its tokenizer and the
+proposer the package stage recorded; `Decoder.generate` tokenizes (with the chat template when
+asked), decodes with the runtime, and streams text increments that never split a multi-byte
+character or leak a stop string.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
+from specdeploy.device import check_device_spec, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams
+from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams, model_device
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
-    """The target model and its tokenizer (the one switch point to specdeploy.models)."""
+def load_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> tuple[Any, Any]:
+    """The target model on `device` and its tokenizer (the one switch point to specdeploy.models)."""
     from specdeploy.models import load_causal_lm, load_tokenizer
 
-    return load_causal_lm(path, dtype=dtype), load_tokenizer(path)
+    return load_causal_lm(path, dtype=dtype, device=str(device)), load_tokenizer(path)
 
 
 class TextStream:
@@ -81,6 +87,11 @@ class Decoder:
         self.chat_template = chat_template
         self.adaptive = adaptive  # see runtime/adaptive.py
 
+    @property
+    def device(self) -> torch.device:
+        """Where the runtime computes: the target's device."""
+        return model_device(self.target)
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
@@ -139,7 +150,8 @@ def make_proposer(spec: dict[str, Any], target: Any, tokenizer: Any, base: Path 
         if not spec.get("draft_model_dir"):
             raise SpecDeployError("spec kind 'draft' needs spec.draft_model_dir", hint="re-run the package stage")
         draft_dir = _local_path(base, spec["draft_model_dir"])
-        return build_proposer("draft", target, draft_model_dir=str(draft_dir), tokenizer=tokenizer)
+        options = {key: spec[key] for key in ("head_rows", "stop_below") if spec.get(key) is not None}
+        return build_proposer("draft", target, draft_model_dir=str(draft_dir), tokenizer=tokenizer, **options)
     if kind == "ngram":
         options = {key: spec[key] for key in ("max_ngram", "min_ngram") if key in spec}
         return build_proposer("ngram", target, **options)
@@ -150,11 +162,25 @@ def make_proposer(spec: dict[str, Any], target: Any, tokenizer: Any, base: Path 
     return build_proposer(kind, target, spec_dir=str(_local_path(base, spec["path"])), **options)
 
 
-def load_decoder(path: str | Path) -> Decoder:
-    """A Decoder from deployment.json: {"model_dir", "dtype", "spec": {"kind", "adaptive", ...}}.
+def deployment_device(config: dict[str, Any], path: Path, override: str | torch.device | None = None) -> torch.device:
+    """The device a deployment runs on: `override` (a Triton GPU instance, --device), else its
+    "device" field (auto | cpu | cuda | cuda:N); builds packaged before the field run on the CPU."""
+    spec = override if override is not None else config.get("device", "cpu")
+    if isinstance(spec, torch.device):
+        return spec
+    try:
+        check_device_spec(str(spec))
+    except argparse.ArgumentTypeError as err:
+        raise SpecDeployError(f"{path}: device {spec!r} is not a device",
+                              hint="use auto, cpu, cuda or cuda:N (re-run `specdeploy package --device ...`)") from err
+    return resolve_device(str(spec))
 
-    Relative paths are relative to the folder holding the file. `adaptive` false (the default)
-    speculates every step with the full draft, as TensorRT-LLM does.
+
+def load_decoder(path: str | Path, device: str | torch.device | None = None) -> Decoder:
+    """A Decoder from deployment.json: {"model_dir", "dtype", "device", "spec": {"kind", "adaptive", ...}}.
+
+    Relative paths are relative to the folder holding the file. `device` overrides the file's.
+    `adaptive` false (the default) speculates every step with the full draft, as TensorRT-LLM does.
     """
     path = Path(path)
     try:
@@ -163,7 +189,13 @@ def load_decoder(path: str | Path) -> Decoder:
         raise SpecDeployError(f"cannot read {path}: {err}", hint="run `specdeploy package` to write it") from err
     if "model_dir" not in config:
         raise SpecDeployError(f"{path} has no model_dir", hint="re-run `specdeploy package`")
-    target, tokenizer = load_model(_local_path(path.parent, config["model_dir"]), config.get("dtype", "float32"))
+    where = deployment_device(config, path, device)
+    dtype = config.get("dtype", "float32")
+    if dtype == "float64" and where.type == "cuda":
+        # the package stage chose it to prove exact parity; allowed, but it is not a serving dtype
+        print(f"specdeploy runtime: {path} serves in float64 on {where}: exact, but 4x the memory of bfloat16 "
+              "and far slower on a GPU (`package --dtype bfloat16`, `engine --serve-dtype bfloat16`)", file=sys.stderr)
+    target, tokenizer = load_model(_local_path(path.parent, config["model_dir"]), dtype, where)
     spec = config.get("spec") or {}
     return Decoder(
         target,

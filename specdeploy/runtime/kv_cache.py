@@ -31,7 +31,10 @@ def keep_path(cache: DynamicCache, prefix_len: int, path: list[int]) -> None:
     if rows == list(range(len(rows))):
         crop(cache, prefix_len + len(rows))
         return
-    index = torch.tensor(rows, dtype=torch.long) + prefix_len
+    index = None
     for layer in _layers(cache):
+        # on the layer's own device (layers may sit on several GPUs under device_map)
+        if index is None or index.device != layer.keys.device:
+            index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device) + prefix_len
         layer.keys = torch.cat([layer.keys[..., :prefix_len, :], layer.keys.index_select(-2, index)], dim=-2)
         layer.values = torch.cat([layer.values[..., :prefix_len, :], layer.values.index_select(-2, index)], dim=-2)

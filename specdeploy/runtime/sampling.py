@@ -39,8 +39,15 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return sample(warp(logits, params), generator)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
+def uniform(generator: torch.Generator | None, device: torch.device) -> float:
+    """One draw from U[0, 1), from the request's generator when there is one (on its device)."""
+    return float(torch.rand((), generator=generator, device=generator.device if generator is not None else device))
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """The request's generator, on the device its draws are made on (a CUDA tensor cannot be
+    sampled with a CPU generator)."""
+    generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,8 +66,8 @@ class DraftTree:
         return len(self.parents)
 
     @classmethod
-    def empty(cls) -> "DraftTree":
-        return cls(tokens=torch.empty(0, dtype=torch.long), parents=[])
+    def empty(cls, device: torch.device | str | None = None) -> "DraftTree":
+        return cls(tokens=torch.empty(0, dtype=torch.long, device=device), parents=[])
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> "DraftTree":
@@ -91,12 +92,29 @@ class TargetState:
     layers the proposer asked for in `hidden_layers`.
     """
 
-    tokens: torch.Tensor  # (1, seq) int64
+    tokens: torch.Tensor  # (1, seq) int64, on the target's device (proposers create theirs there)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     # how the request samples: a sampling proposer draws from the same warped distribution
     # with the request's generator and returns it as DraftTree.probs
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
+
+
+def model_device(model: Any) -> torch.device:
+    """Where a model's inputs go: its input embeddings' device (the first device when accelerate
+    spread the model with device_map; its hooks move activations between devices)."""
+    return model.get_input_embeddings().weight.device
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What a proposer drafts each round: a chain of `size` tokens or a tree of <= `size` nodes."""
+
+    mode: str  # "chain" | "tree"
+    size: int
+
+    def __str__(self) -> str:
+        return f"{self.mode} {self.size}"
 
 
 class Proposer(ABC):
@@ -116,6 +134,18 @@ class Proposer(ABC):
 
     def update(self, num_accepted: int, num_proposed: int) -> None:
         """Called after each verification with how many proposed tokens were accepted."""
+
+    def draft_shapes(self, max_len: int) -> list[DraftShape]:
+        """The shapes `set_shape` can switch between (the planner's candidates). A chain proposer
+        takes its length each round: every length up to `max_len`; a fixed tree: none."""
+        return [DraftShape("chain", k) for k in range(1, max_len + 1)] if self.kind == "chain" else []
+
+    def set_shape(self, shape: DraftShape) -> None:
+        """Draft `shape` from now on (a chain proposer's length comes with each round)."""
+
+    def shape_options(self, shape: DraftShape) -> dict[str, Any]:
+        """The deployment spec options (build_proposer options + max_draft_len) that serve `shape`."""
+        return {"max_draft_len": shape.size}
 
 
 def acceptance_length(accepted_draft_tokens: int, target_forwards: int) -> float:

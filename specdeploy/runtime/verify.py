@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.runtime.sampling import sample, warp
+from specdeploy.runtime.sampling import sample, uniform, warp
 from specdeploy.runtime.types import DraftTree, SamplingParams
 
 
@@ -27,31 +27,37 @@ class Acceptance:
         return [int(tree.tokens[i]) for i in self.path] + [self.next_token]
 
 
-def ancestry(parents: list[int]) -> torch.Tensor:
-    """(n+1, n+1) bool: row r may attend to column c (the root is row 0, node i is row i+1)."""
+def ancestry(parents: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """(n+1, n+1) bool: row r may attend to column c (the root is row 0, node i is row i+1).
+
+    Built as Python rows and sent to `device` in one copy (row-by-row writes into a GPU tensor
+    would be one kernel launch each)."""
     size = len(parents) + 1
-    allowed = torch.zeros(size, size, dtype=torch.bool)
-    allowed[:, 0] = True
+    rows = [[True] + [False] * (size - 1)]
     for i, parent in enumerate(parents):
-        allowed[i + 1] = allowed[parent + 1]  # a parent's row is complete before its children's
-        allowed[i + 1, i + 1] = True
-    return allowed
+        row = list(rows[parent + 1])  # a parent's row is complete before its children's
+        row[i + 1] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool, device=device)
 
 
 def is_chain(parents: list[int]) -> bool:
     return parents == list(range(-1, len(parents) - 1))
 
 
-def tree_attention_mask(parents: list[int], prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, n+1, prefix_len+n+1) additive mask: 0 where allowed, dtype min where not."""
-    allowed = torch.cat([torch.ones(len(parents) + 1, prefix_len, dtype=torch.bool), ancestry(parents)], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+def tree_attention_mask(
+    parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """(1, 1, n+1, prefix_len+n+1) additive mask on `device`: 0 where allowed, dtype min where not."""
+    tree = ancestry(parents, device)
+    allowed = torch.cat([torch.ones(len(parents) + 1, prefix_len, dtype=torch.bool, device=tree.device), tree], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=tree.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 
-def tree_position_ids(tree: DraftTree, prefix_len: int) -> torch.Tensor:
-    """(1, n+1): each node sits at prefix length + its depth, as it would in its own sequence."""
-    return torch.tensor([[prefix_len] + [prefix_len + d for d in tree.depths()]], dtype=torch.long)
+def tree_position_ids(tree: DraftTree, prefix_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(1, n+1) on `device`: each node sits at prefix length + its depth, as in its own sequence."""
+    return torch.tensor([[prefix_len] + [prefix_len + d for d in tree.depths()]], dtype=torch.long, device=device)
 
 
 def _children(parents: list[int]) -> list[list[int]]:
@@ -112,7 +118,7 @@ def accept_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Genera
         p = probs[row]
         for child in children[row]:
             q = None if tree.probs is None else tree.probs[child]
-            if float(torch.rand((), generator=generator)) < accept_probability(p, q, tokens[child]):
+            if uniform(generator, p.device) < accept_probability(p, q, tokens[child]):
                 path.append(child)
                 row = child + 1
                 break

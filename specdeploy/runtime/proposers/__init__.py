@@ -15,11 +15,12 @@ PROPOSERS: dict[str, str] = {
     "ngram": "specdeploy.runtime.proposers.ngram:build",
     "medusa": "specdeploy.runtime.proposers.medusa:build",
     "eagle": "specdeploy.runtime.proposers.eagle:build",
+    "dflash": "specdeploy.runtime.proposers.dflash:build",
 }
 
 
 def build_proposer(kind: str, target: Any, **options: Any) -> Proposer:
-    """A proposer of `kind` (draft | ngram | medusa | eagle) for `target`."""
+    """A proposer of `kind` (draft | ngram | medusa | eagle | dflash) for `target`."""
     if kind not in PROPOSERS:
         raise SpecDeployError(f"unknown proposer kind {kind!r}", hint=f"use one of: {', '.join(PROPOSERS)}")
     module_name, factory = PROPOSERS[kind].split(":")

@@ -23,10 +23,12 @@ import torch
 
 from specdeploy.choices import DEFAULT_TREE_10, ChoicesTree, validate_choices
 from specdeploy.errors import SpecDeployError
-from specdeploy.runtime.types import DraftTree, Proposer, TargetState
+from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, TargetState, model_device
 
 MODES = ("chain", "static", "dynamic")
 MAX_DEPTH = 8
+TREE_BUDGETS = (4, 6, 8, 10, 12, 16)  # the dynamic tree sizes the planner weighs against chains
+DEFAULT_BUDGET = 10  # dynamic tree nodes kept (bf16 verify of <= ~10 tokens ~ one decode step here)
 
 
 @dataclass
@@ -45,19 +47,38 @@ class EagleProposer(Proposer):
     def __init__(
         self, module: Any, embed: Any, lm_head: Any, hidden_layers: tuple[int, ...], *, mode: str = "dynamic",
         choices: ChoicesTree | None = None, depth: int = 5, topk: int = 3, width: int = 3, chain_len: int = 4,
-        budget: int = 10,
+        budget: int = DEFAULT_BUDGET,
     ) -> None:
         self.module, self.embed = module, embed
         self._target_head = None if hasattr(module, "lm_head") else lm_head
         self.hidden_layers = hidden_layers
         self.mode, self.choices = mode, choices
         self.depth, self.topk, self.width, self.chain_len = depth, topk, width, chain_len
-        self.budget = budget  # dynamic tree: nodes kept (bf16 verify of <= ~10 tokens ~ one decode step here)
+        self.budget = budget  # dynamic tree: nodes kept
         self.kind = "chain" if mode == "chain" else "tree"
-        self.d2t = getattr(module, "d2t", None)
+        d2t = getattr(module, "d2t", None)
+        # draft -> target id offsets, read once (an element read per drafted token would sync a GPU)
+        self.d2t = None if d2t is None else d2t.tolist()
         self.dtype = next(module.parameters()).dtype
-        module._maybe_init_rope()
+        self.device = next(module.parameters()).device
+        module._maybe_init_rope(device=self.device)
         self.reset()
+
+    def draft_shapes(self, max_len: int) -> list[DraftShape]:
+        """Chains up to the module's depth limit and EAGLE-2 dynamic trees of growing budgets."""
+        chains = [DraftShape("chain", k) for k in range(1, min(max_len, MAX_DEPTH) + 1)]
+        return chains + [DraftShape("tree", b) for b in TREE_BUDGETS if b <= max(max_len, DEFAULT_BUDGET)]
+
+    def set_shape(self, shape: DraftShape) -> None:
+        if shape.mode == "chain":
+            self.mode, self.chain_len = "chain", shape.size
+        else:
+            self.mode, self.budget = "dynamic", shape.size
+        self.kind = "chain" if self.mode == "chain" else "tree"
+
+    def shape_options(self, shape: DraftShape) -> dict[str, Any]:
+        size = {"chain_len": shape.size} if shape.mode == "chain" else {"budget": shape.size}
+        return {"mode": "chain" if shape.mode == "chain" else "dynamic", **size, "max_draft_len": shape.size}
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -69,7 +90,8 @@ class EagleProposer(Proposer):
     # ------------------------------------------------------------------ module calls
     def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
         """One module forward over q inputs; `allowed` (q, cache + q) bool is the attention mask."""
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)
         post, pre, _ = self.module(
             hidden[None].to(self.dtype), self.embed(tokens[None]).to(self.dtype), attention_mask=mask[None, None],
             position_ids=positions[None], past_key_values=self.cache, use_cache=True,
@@ -85,16 +107,17 @@ class EagleProposer(Proposer):
         """Feed the newly consumed positions; the draft log-probs/feature after the pending token."""
         tokens = state.tokens[0]
         consumed = len(tokens) - 1
-        aux = torch.cat([state.hidden[layer][0] for layer in self.hidden_layers], dim=-1)
+        aux = torch.cat([state.hidden[layer][0].to(self.device) for layer in self.hidden_layers], dim=-1)
         n_new = min(aux.shape[0], consumed)
         if n_new > consumed - self.fed_until:  # a new request, or states we have already seen
             self.reset()
         self.cache.crop(self.cache_len)
         start = consumed - n_new  # positions before it that we never saw stay out of the cache (gap)
         fused = self.module.fc(aux[-n_new:].to(self.dtype))
-        allowed = torch.ones(n_new, self.cache_len + n_new, dtype=torch.bool)
+        allowed = torch.ones(n_new, self.cache_len + n_new, dtype=torch.bool, device=self.device)
         allowed[:, self.cache_len:] = torch.tril(allowed[:, self.cache_len:])
-        logp, pre = self._run(fused, tokens[start + 1: consumed + 1], torch.arange(start, consumed), allowed)
+        positions = torch.arange(start, consumed, device=self.device)
+        logp, pre = self._run(fused, tokens[start + 1: consumed + 1].to(self.device), positions, allowed)
         self.cache_len += n_new
         self.fed_until = consumed
         return logp[-1], pre[-1], consumed
@@ -104,23 +127,25 @@ class EagleProposer(Proposer):
         if not ids:
             return
         cache_now = self.cache.get_seq_length()
-        allowed = torch.zeros(len(ids), cache_now + len(ids), dtype=torch.bool)
-        allowed[:, : self.cache_len] = True
+        # rows built in Python and sent in one copy: element writes into a GPU tensor cost a launch each
+        rows = []
         for row, i in enumerate(ids):
-            allowed[row, cache_now + row] = True
+            allowed = [True] * self.cache_len + [False] * (cache_now - self.cache_len + len(ids))
+            allowed[cache_now + row] = True
             parent = nodes[i].parent
             while parent >= 0:
-                allowed[row, nodes[parent].col] = True
+                allowed[nodes[parent].col] = True
                 parent = nodes[parent].parent
+            rows.append(allowed)
         hidden = torch.stack([root_h if nodes[i].parent < 0 else nodes[nodes[i].parent].h for i in ids])
-        tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in ids])
-        positions = torch.tensor([base_pos + nodes[i].depth - 1 for i in ids])
-        logp, pre = self._run(hidden, tokens, positions, allowed)
+        tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in ids], device=self.device)
+        positions = torch.tensor([base_pos + nodes[i].depth - 1 for i in ids], device=self.device)
+        logp, pre = self._run(hidden, tokens, positions, torch.tensor(rows, dtype=torch.bool, device=self.device))
         for row, i in enumerate(ids):
             nodes[i].col, nodes[i].h, nodes[i].logp = cache_now + row, pre[row], logp[row]
 
     def _target_id(self, draft_id: int) -> int:
-        return draft_id + int(self.d2t[draft_id]) if self.d2t is not None else draft_id
+        return draft_id + self.d2t[draft_id] if self.d2t is not None else draft_id
 
     @staticmethod
     def _add_children(nodes: list[_Node], parent: int, logp: torch.Tensor, k: int) -> list[int]:
@@ -138,7 +163,7 @@ class EagleProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
         if max_tokens <= 0 or not all(layer in state.hidden for layer in self.hidden_layers):
-            return DraftTree.empty()
+            return DraftTree.empty(state.tokens.device)
         root_logp, root_h, base_pos = self._ingest(state)
         try:
             if self.mode == "chain":
@@ -187,6 +212,10 @@ class EagleProposer(Proposer):
         level = self._add_children(nodes, -1, logp, min(self.topk, max_tokens))
         for _ in range(1, self.depth):
             best = sorted(level, key=lambda i: -nodes[i].score)[: self.width]
+            if len(nodes) >= max_tokens and nodes[best[0]].score <= sorted(n.score for n in nodes)[-max_tokens]:
+                # a descendant scores no higher than its ancestor and ranks after shallower ties:
+                # none could enter the kept set, so the rest of the depth calls would change nothing
+                break
             self._expand(nodes, best, h, base_pos)
             level = [c for i in best for c in self._add_children(nodes, i, nodes[i].logp, self.topk)]
         # the most likely nodes overall; a child never outscores its parent, so parents come first
@@ -202,7 +231,7 @@ class EagleProposer(Proposer):
 
     def _tree(self, nodes: list[_Node], keep: list[int]) -> DraftTree:
         new_index = {old: new for new, old in enumerate(keep)}
-        tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in keep], dtype=torch.long)
+        tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in keep], dtype=torch.long, device=self.device)
         parents = [-1 if nodes[i].parent < 0 else new_index[nodes[i].parent] for i in keep]
         return DraftTree(tokens=tokens, parents=parents)
 
@@ -222,13 +251,14 @@ def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: i
     dtype = next(target.parameters()).dtype
     skeleton = load_module_model(target.config, "eagle", modelopt_config, spec_dir, dtype=dtype, seed=seed)
     layers = config.get("hidden_layers") or eagle_spec.hidden_layers(target.config.num_hidden_layers)
-    return skeleton.eagle_module, tuple(layers), config
+    # beside the target's embeddings, which it reads every round (the skeleton's base stays behind)
+    return skeleton.eagle_module.to(model_device(target)), tuple(layers), config
 
 
 def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None, mode: str | None = None,
     choices: list[list[int]] | str | None = None, depth: int = 5, topk: int = 3, width: int = 3,
-    chain_len: int = 4, budget: int = 10, max_depth: int = MAX_DEPTH, max_draft_len: int | None = None,
+    chain_len: int = 4, budget: int = DEFAULT_BUDGET, max_depth: int = MAX_DEPTH, max_draft_len: int | None = None,
     draft_vocab: int | None = None, seed: int = 0, **_: Any,
 ) -> EagleProposer:
     """An EAGLE proposer from a spec/ folder (trained) or a fresh module (tests).

@@ -26,10 +26,11 @@ class MedusaProposer(Proposer):
         """vocab_ids: propose only among these tokens (the frequent ones of the training data):
         each head's 49k-row projection is the draft's main cost on a CPU; a subset is ~6x cheaper."""
         self.heads = heads
-        self.vocab_ids = vocab_ids
+        self.device = heads[0][-1].weight.device
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(self.device)
         # reduced rows are sliced once; the full projection is called as a module each time
         # (the quantize stage may swap it for a fake-quantized Linear)
-        self.projections = [None if vocab_ids is None else head[-1].weight[vocab_ids] for head in heads]
+        self.projections = [None if self.vocab_ids is None else head[-1].weight[self.vocab_ids] for head in heads]
         self.choices = choices
         self.parents = choices.parents()
         depth = choices.depth
@@ -39,8 +40,8 @@ class MedusaProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
         if max_tokens <= 0 or -1 not in state.hidden:
-            return DraftTree.empty()
-        h = state.hidden[-1][0, -1:]  # (1, H): the last consumed position
+            return DraftTree.empty(state.tokens.device)
+        h = state.hidden[-1][0, -1:].to(self.device)  # (1, H): the last consumed position
         top = []
         for head, weight, k in zip(self.heads, self.projections, self.topk):
             features = head[:-1](h.to(head[-1].weight.dtype))  # the ResBlocks
@@ -65,11 +66,14 @@ def _heads_from(target: Any, spec_dir: str | os.PathLike | None, num_heads: int,
         config, modelopt_config = {}, medusa_spec.modelopt_config(num_heads, num_layers)
     dtype = next(target.parameters()).dtype
     skeleton = load_module_model(target.config, "medusa", modelopt_config, spec_dir, dtype=dtype, seed=seed)
+    lm_head = target.get_output_embeddings().weight
+    # beside the lm_head: the heads read the last hidden state, which the target computes there
+    heads = skeleton.medusa_heads.to(lm_head.device)
     if spec_dir is None:  # untrained: start each head at the target's own lm_head, like training does
         with torch.no_grad():
-            for head in skeleton.medusa_heads:
-                head[-1].weight.copy_(target.get_output_embeddings().weight)
-    return skeleton.medusa_heads, config
+            for head in heads:
+                head[-1].weight.copy_(lm_head)
+    return heads, config
 
 
 def build(
@@ -84,5 +88,6 @@ def build(
         choices if choices is not None else config.get("choices", [[0], [0, 0], [0, 0, 0]][: len(heads)]),
         max_depth=len(heads), max_draft_len=max_draft_len, name="medusa_choices",
     )
-    vocab = config.get("draft_vocab_ids")
-    return MedusaProposer(heads, tree, torch.tensor(vocab, dtype=torch.long) if vocab and full_vocab is False else None)
+    vocab = config.get("draft_vocab_ids") if not full_vocab else None
+    vocab_ids = torch.tensor(vocab, dtype=torch.long, device=heads[0][-1].weight.device) if vocab else None
+    return MedusaProposer(heads, tree, vocab_ids)

@@ -29,7 +29,7 @@ class NgramProposer(Proposer):
             if len(hits):
                 start = int(hits[-1]) + n  # the most recent occurrence: closest in topic
                 return DraftTree.chain(tokens[start : start + max_tokens].clone())
-        return DraftTree.empty()
+        return DraftTree.empty(tokens.device)
 
 
 def build(target: object = None, *, max_ngram: int = 3, min_ngram: int = 1) -> NgramProposer:

@@ -1,5 +1,6 @@
-"""specdeploy CPU `tensorrt_llm`: TensorRT-LLM's tensorrt_llm model contract (input_ids ->
-output_ids, perf metrics) served by specdeploy's speculative-decoding runtime (Python backend).
+"""specdeploy CPU-repo `tensorrt_llm`: TensorRT-LLM's tensorrt_llm model contract (input_ids ->
+output_ids, perf metrics) served by specdeploy's speculative-decoding runtime (Python backend), on
+the deployment's device, or on the GPU of a KIND_GPU instance.
 
 Decoupled: each accepted group of tokens is sent as soon as the verifier accepts it (several
 tokens in one response when several drafts were accepted), then a final response carrying the
@@ -61,7 +62,7 @@ def _word_sequences(request, name: str) -> list[list[int]]:
     return [ids[start:end] for start, end in zip([0] + ends[:-1], ends) if end > start]
 
 
-# sampling knobs the CPU runtime does not implement: a request that sets one to anything but its
+# sampling knobs the specdeploy runtime does not implement: a request that sets one to anything but its
 # neutral value gets a clear error instead of silently different output
 _UNSUPPORTED = {
     "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "len_penalty": 1.0,
@@ -94,8 +95,17 @@ class _Sink:
             self.sender.send(response, flags=FINAL)
 
 
+def instance_device(args: dict) -> str | None:
+    """A KIND_GPU instance runs on the GPU Triton placed it on; any other instance where the
+    deployment's "device" says (None)."""
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{int(args['model_instance_device_id'])}"
+    return None
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        from specdeploy.device import describe
         from specdeploy.runtime.deployment import load_decoder
 
         config = json.loads(args["model_config"])
@@ -103,12 +113,14 @@ class TritonPythonModel:
         self.exclude_input = _param(config, "exclude_input_in_output", "true").lower() in ("true", "1")
         folder = Path(args["model_repository"]) / args["model_version"]
         path = folder / _param(config, "specdeploy_deployment", "deployment.json")
-        self.decoder = load_decoder(path)
+        self.decoder = load_decoder(path, device=instance_device(args))
         self.tokenizer = self.decoder.tokenizer
         self.context = int(getattr(self.decoder.target.config, "max_position_embeddings", 0) or 1 << 30)
         import torch
 
-        pb_utils.Logger.log_info(f"specdeploy tensorrt_llm: {path}, torch threads {torch.get_num_threads()}")
+        pb_utils.Logger.log_info(f"specdeploy tensorrt_llm: {path}, computing on {describe(self.decoder.device)}, "
+                                 f"instance {args.get('model_instance_name')} ({args.get('model_instance_kind')}), "
+                                 f"torch threads {torch.get_num_threads()}")
 
     # -- requests ----------------------------------------------------------------------------
     def execute(self, requests):
@@ -132,7 +144,7 @@ class TritonPythonModel:
             sink.error(str(err).replace("\n  hint:", "; hint:"))
         except Exception as err:  # the server must survive whatever one request does
             pb_utils.Logger.log_error(f"specdeploy tensorrt_llm: {traceback.format_exc()}")
-            sink.error(f"internal error in the specdeploy CPU runtime: {type(err).__name__}: {err}")
+            sink.error(f"internal error in the specdeploy runtime: {type(err).__name__}: {err}")
 
     def _prompt(self, request) -> list[int]:
         ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
@@ -151,12 +163,12 @@ class TritonPythonModel:
         for name, neutral in _UNSUPPORTED.items():
             value = _scalar(request, name)
             if value is not None and value != neutral:
-                raise BadRequest(f"{name}={value!r} is not supported by the specdeploy CPU runtime")
+                raise BadRequest(f"{name}={value!r} is not supported by the specdeploy runtime")
         if _word_sequences(request, "bad_words_list"):
-            raise BadRequest("bad_words is not supported by the specdeploy CPU runtime")
+            raise BadRequest("bad_words is not supported by the specdeploy runtime")
         guide = _scalar(request, "guided_decoding_guide_type")
         if guide is not None:
-            raise BadRequest(f"guided_decoding_guide_type={guide!r} is not supported by the specdeploy CPU runtime")
+            raise BadRequest(f"guided_decoding_guide_type={guide!r} is not supported by the specdeploy runtime")
 
     def _params(self, request, prompt_len: int):
         from specdeploy.runtime.types import SamplingParams
