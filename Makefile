@@ -38,7 +38,7 @@ verify: venv
 	$(PY) -m specdeploy verify $(BUILD_ARGS)
 
 bench: venv
-	$(PY) -m specdeploy bench --build-root $(BUILD) $(BENCH_ARGS)
+	$(PY) -m specdeploy bench --build-root $(BUILD) --device $(DEVICE) $(BENCH_ARGS)
 
 loadtest: venv
 	$(PY) -m specdeploy loadtest $(BUILD_ARGS)

@@ -4,13 +4,14 @@
 #   build_scripts/build_engines.sh build/<name> [container image]
 #
 # Runs build/<name>/engines/build_engines.sh (written by `specdeploy build`) inside NVIDIA's
-# TensorRT-LLM container. The engine flow (trtllm-build) exists in TensorRT-LLM 0.15 - 1.1.x only;
-# the generated script checks the version and refuses anything else. Already inside such a
-# container (trtllm-build on PATH)? The script is run directly, without docker.
+# TensorRT-LLM container. The engine flow (trtllm-build) exists in TensorRT-LLM 0.15 - 1.3.x
+# (deprecated from 1.2, removed for 1.4); the generated script checks the version and refuses
+# anything else. Already inside such a container (trtllm-build on PATH)? The script is run
+# directly, without docker. build_scripts/gpu_host.sh does this and then serves and verifies.
 set -euo pipefail
 
 BUILD_DIR="${1:?usage: build_engines.sh build/<name> [image]}"
-IMAGE="${2:-${TRTLLM_IMAGE:-nvcr.io/nvidia/tensorrt-llm/release:1.0.0}}"
+IMAGE="${2:-${TRTLLM_IMAGE:-nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3}}"
 BUILD_DIR="$(cd "$BUILD_DIR" && pwd)"
 SCRIPT="$BUILD_DIR/engines/build_engines.sh"
 

@@ -22,7 +22,8 @@ from rich.table import Table
 from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
-from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPES
+from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPES, gpu_summary
+from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
 
 console = Console()
 TRAINED_SPECS = ("eagle", "medusa")
@@ -42,9 +43,9 @@ class EngineOptions:
     draft: str | None = None
     kv_cache: str | None = None  # None: follow the weight format (KV_CACHE_FOR)
     spec_preset: str = "quick"
-    quantize_spec: bool = False
     serve_dtype: str = "auto"  # package.SERVE_DTYPES
     adaptive: bool = False  # package.ADAPTIVE_HELP
+    trtllm_version: str = DEFAULT_TRTLLM_VERSION  # the release the GPU host runs (convert: routes, LLM-API config)
     tp_size: int = 1
     pp_size: int = 1
     max_draft_len: int = 4  # draft-target and n-gram; Medusa/EAGLE trees come from the spec stage
@@ -74,10 +75,10 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
     kind = None if opts.spec == "none" else opts.spec
     chain_len = opts.max_draft_len if opts.spec in ("draft", "ngram") else None  # trees: the spec stage's own
     steps += [
-        ("quantize", lambda: quantize.run(build, opts.quant, kv_cache, quantize_spec=opts.quantize_spec,
+        ("quantize", lambda: quantize.run(build, opts.quant, kv_cache,
                                            calib_size=opts.calib_size, report=opts.quant_report,
                                            exclude=opts.quant_exclude, **loader)),
-        ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind,
+        ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind, trtllm_version=opts.trtllm_version,
                                         draft_model=draft_dir, max_draft_len=chain_len)),
         ("build", lambda: trt_build.run(build)),
         ("package", lambda: package.run(build, spec=opts.spec, max_draft_len=chain_len,
@@ -132,12 +133,9 @@ def print_summary(build: BuildDir, rows: list[dict], opts: EngineOptions) -> Non
     if _engines_built(build):
         console.print("TensorRT-LLM engines were built on this host.")
     else:
-        console.print(
-            "[yellow]TensorRT engines were NOT built on this host[/yellow] (no TensorRT-LLM / no GPU). "
-            f"Build them on a GPU host: {build.path('engines')}/build_engines.sh inside NVIDIA's TensorRT-LLM "
-            "container (see build_scripts/README.md); the engine-flow Triton repository is "
-            f"{build.path('triton_repo')}/engine."
-        )
+        console.print("[yellow]TensorRT-LLM artifacts were NOT built on this host[/yellow] (no TensorRT-LLM / no GPU).")
+    for line in gpu_summary(build):  # the routes this build has and what a GPU host runs
+        console.print(line)
     console.print(f"CPU model repository (served here): {build.path('triton_repo')}/cpu")
     console.print(f"Next: {next_commands(build, opts)}")
 
@@ -162,11 +160,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", choices=["fp8", "none"], help="KV-cache quantization (default: follows --quant)")
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
                         help="module training budget: quick (<= 10 min, default) or long (<= 60 min)")
-    parser.add_argument("--quantize-spec", action="store_true", help="quantize the Medusa/EAGLE module too")
     parser.add_argument("--serve-dtype", choices=SERVE_DTYPES, default="auto",
                         help="dtype of the CPU runtime served by Triton; auto: the one in which greedy parity is "
                              "exact (float64 when activations or K/V are quantized, else float32); bfloat16: faster")
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
+    add_trtllm_version_arg(parser)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--pp-size", type=int, default=1)
     parser.add_argument("--max-draft-len", type=int, default=4, help="draft tokens per step for draft/ngram")
@@ -182,8 +180,8 @@ def main(args: argparse.Namespace) -> int:
     opts = EngineOptions(
         model=args.model, device=args.device, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
         spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
-        spec_preset=args.spec_preset, quantize_spec=args.quantize_spec, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
-        tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
+        spec_preset=args.spec_preset, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
+        trtllm_version=args.trtllm_version, tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},
     )

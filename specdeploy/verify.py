@@ -3,15 +3,25 @@
 Starts tritonserver on the packaged CPU repository (or uses a running one with --url), sends
 held-out chat and code prompts through tritonclient (gRPC streaming), and compares every answer
 with the Hugging Face reference: `transformers.generate(do_sample=False)` in-process on the very
-weights and dtype the server loaded (for a quantized build, the same fake-quantized model). An
-autoregressive twin of the deployment (same repository, speculation off) runs beside it, and the
-two are asked the same prompts in alternation, so the speed-up is measured on one noisy machine
-in one run.
+weights and dtype the server loaded (for a quantized build, the same fake-quantized model), on
+--device. An autoregressive twin of the deployment (same repository, speculation off) runs beside
+it, and the two are asked the same prompts in alternation, so the speed-up is measured on one
+noisy machine in one run.
 
-Writes reports/verify.json, verify.md and two PNG plots; exits 1 when parity fails or the mean
+`--server trtllm --url HOST:PORT` checks a TensorRT-LLM deployment instead (what
+build_scripts/gpu_host.sh starts): the route's entry model and request inputs come from
+triton_repo/gpu_routes.json, the reference runs in float32 on --device, and parity follows the
+near-tie rule, because TensorRT-LLM computes in bf16/fp16 (FP8 kernels for FP8 checkpoints) where a
+k-token verify and a 1-token step round apart. Reports: reports_gpu/.
+
+Writes reports/verify.json, verify.md and two PNG plots; exits 1 when parity fails or the
 acceptance length is under --ar-lower-bound. Parity is exact (any difference fails) where the
 runtime can be exact: float64, or float32 without quantized activations/KV (see
 quantize.rounds_activations); elsewhere a divergence passes only at a near-tie.
+
+Acceptance length is TensorRT-LLM's (runtime.types.acceptance_length): (accepted draft tokens +
+1 per target forward) / target forwards, the prefill not counted, from the server's own perf
+metrics (total_accepted_draft_tokens) and the tokens it returned, summed over prompts first.
 """
 
 from __future__ import annotations
@@ -22,19 +32,66 @@ import shutil
 import statistics
 from contextlib import ExitStack
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
 
 from specdeploy.client import Request, TritonLLMClient
+from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.parity import ParityResult, compare, hf_reference
+from specdeploy.runtime.types import acceptance_length
 
 STAGE, OUT = "verify", "reports"
+GPU_STAGE, GPU_OUT = "verify_gpu", "reports_gpu"
 DEPLOYMENT = Path("tensorrt_llm") / "1" / "deployment.json"
+ACCEPTANCE_DEFINITION = ("TensorRT-LLM's: (accepted draft tokens + 1 per target forward) / target forwards, prefill "
+                         "not counted; counts summed over prompts, from the server's total_accepted_draft_tokens")
+# the Triton llmapi model's names for the ensemble's inputs (triton_backend/all_models/llmapi)
+LLMAPI_INPUTS = {"max_tokens": "sampling_param_max_tokens", "stream": "streaming",
+                 "return_perf_metrics": "sampling_param_return_perf_metrics", "temperature": "sampling_param_temperature",
+                 "top_k": "sampling_param_top_k", "top_p": "sampling_param_top_p", "random_seed": "sampling_param_seed"}
+
+
+@dataclass
+class RouteRequest(Request):
+    """A Request in the served model's own input names, with the inputs its route needs."""
+
+    names: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self, stream: bool) -> dict[str, Any]:
+        values = {self.names.get(k, k): v for k, v in super().tensors(stream).items()}
+        return {**values, **self.extra}
+
+
+@dataclass
+class Target:
+    """What verify talks to and how: the model it sends to, names, extra inputs, streaming."""
+
+    model: str = "ensemble"
+    names: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    stream: bool = True
+
+    def request(self, text: str, max_tokens: int) -> RouteRequest:
+        return RouteRequest(text, max_tokens=max_tokens, names=self.names, extra=self.extra)
+
+
+def trtllm_target(routes: dict[str, Any], route: str | None) -> Target:
+    """The entry model of a packaged GPU route (triton_repo/gpu_routes.json)."""
+    route = route or routes.get("recommended")
+    if route not in routes.get("routes", {}):
+        raise SpecDeployError(f"this build has no GPU route {route!r} (it has: {', '.join(routes.get('routes', {})) or 'none'})",
+                              hint="pass --route with one the build has; `specdeploy package` says which")
+    entry = routes["routes"][route]
+    names = LLMAPI_INPUTS if entry["inputs"] == "llmapi" else {}
+    extra = {**entry.get("request", {}), **({"sampling_param_exclude_input_from_output": True} if names else {})}
+    return Target(entry["model"], names, extra, bool(entry["stream"]))
 
 
 class Prompt(NamedTuple):
@@ -55,21 +112,20 @@ def load_prompts(per_category: int, tokenizer: Any) -> list[Prompt]:
 
 
 def autoregressive_twin(cpu_repo: Path, out: Path) -> Path:
-    """A copy of the CPU repository whose deployment does not speculate (absolute paths)."""
+    """A copy of the CPU repository whose deployment does not speculate. `out` sits as deep as
+    the repository, so its relative paths (tokenizer, model) hold unchanged."""
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(cpu_repo, out, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    deployment_dir = (cpu_repo / DEPLOYMENT).parent.resolve()
     config = json.loads((cpu_repo / DEPLOYMENT).read_text())
-    config["model_dir"] = str((deployment_dir / config["model_dir"]).resolve())
     config["spec"] = {"kind": "none"}
     atomic_write_json(out / DEPLOYMENT, config)
     return out
 
 
-def _acceptance_length(tokens: int, perf: dict[str, float]) -> float:
-    """Tokens per target forward: each forward yields its accepted drafts plus one token."""
-    accepted = int(perf.get("total_accepted_draft_tokens", 0))
-    return tokens / max(tokens - accepted, 1)
+def served_forwards(tokens: int, accepted: int) -> int:
+    """Target forwards after the prefill: the prefill yields the first token, every later
+    forward its accepted drafts plus one."""
+    return max(tokens - 1 - accepted, 0)
 
 
 def _passes(result: ParityResult, exact: bool, near_tie: float) -> bool:
@@ -80,25 +136,49 @@ def _passes(result: ParityResult, exact: bool, near_tie: float) -> bool:
     return result.margin_at_divergence <= near_tie
 
 
-def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, decoder: Any, prompts: list[Prompt],
-                max_new_tokens: int) -> list[dict[str, Any]]:
+class Reference(NamedTuple):
+    """The Hugging Face reference: the model, its tokenizer, where it computes."""
+
+    model: Any
+    tokenizer: Any
+
+    def ids(self, text: str) -> torch.Tensor:
+        """The prompt as the served preprocessing tokenizes it (special tokens added)."""
+        from specdeploy.runtime.types import model_device
+
+        return torch.tensor([self.tokenizer(text)["input_ids"]], device=model_device(self.model))
+
+
+def load_reference(model_dir: Path, dtype: str, device: str) -> Reference:
+    from specdeploy.device import announce, resolve_device
+    from specdeploy.models import load_causal_lm, load_tokenizer
+
+    where = resolve_device(device)
+    announce("verify (reference)", where)
+    return Reference(load_causal_lm(model_dir, dtype=dtype, device=str(where)), load_tokenizer(model_dir))
+
+
+def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Reference, prompts: list[Prompt],
+                max_new_tokens: int, target: Target = Target()) -> list[dict[str, Any]]:
     """Interleave speculative and autoregressive requests; compute each HF reference."""
     rows = []
     for client in filter(None, (spec, ar)):  # warm-up: first requests pay one-off costs
-        client.generate(Request(prompts[0].text_input, max_tokens=4), stream=True)
+        client.generate(target.request(prompts[0].text_input, 4), stream=target.stream)
     for i, (category, shown, prompt) in enumerate(tqdm(prompts, desc="verify", unit="prompt")):
-        request = Request(prompt, max_tokens=max_new_tokens)
+        request = target.request(prompt, max_new_tokens)
         baseline = ar.generate(request, stream=True) if ar and i % 2 else None  # alternate who goes first
-        served = spec.generate(request, stream=True)
+        served = spec.generate(request, stream=target.stream)
         if ar and not i % 2:
             baseline = ar.generate(request, stream=True)
-        ids = torch.tensor([decoder.encode(prompt)])
-        reference = hf_reference(decoder.target, decoder.tokenizer, ids, max_new_tokens)
-        parity = compare(prompt, reference, served.text, decoder.tokenizer)
-        tokens = len(reference.token_ids) if parity.match else len(decoder.tokenizer(served.text, add_special_tokens=False)["input_ids"])
+        ref = hf_reference(reference.model, reference.tokenizer, reference.ids(prompt), max_new_tokens)
+        parity = compare(prompt, ref, served.text, reference.tokenizer)
+        tokens = len(ref.token_ids) if parity.match else len(reference.tokenizer(served.text, add_special_tokens=False)["input_ids"])
+        accepted = int(served.perf.get("total_accepted_draft_tokens", 0))
+        forwards = served_forwards(tokens, accepted)
         rows.append({
             "category": category, "shown": shown, **parity.as_dict(), "tokens": tokens, "perf": served.perf,
-            "acceptance_length": _acceptance_length(tokens, served.perf),
+            "accepted_draft_tokens": accepted, "target_forwards": forwards,
+            "acceptance_length": acceptance_length(accepted, forwards),
             "latency_s": served.latency_s, "ttft_s": served.time_to_first_chunk_s,
             "ar_latency_s": baseline.latency_s if baseline else None,
             "ar_matches": baseline.text == served.text if baseline else None,
@@ -109,9 +189,13 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, decoder: Any,
 
 def parity_rule(dtype: str, quant: dict[str, Any]) -> str:
     """"exact" where speculative greedy decoding can equal the reference token for token."""
-    from specdeploy.quantize import rounds_activations
+    from specdeploy.quantize.loader import rounds_activations
 
     return "exact" if dtype == "float64" or (dtype == "float32" and not rounds_activations(quant)) else "near-tie"
+
+
+def _acceptance(rows: list[dict[str, Any]]) -> float:
+    return acceptance_length(sum(r["accepted_draft_tokens"] for r in rows), sum(r["target_forwards"] for r in rows))
 
 
 def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float) -> dict[str, Any]:
@@ -126,7 +210,8 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
         "parity_ok": all(passed),
         "divergences": [{"prompt": r["shown"][:80], "token": r["first_divergence_token"], "margin": r["margin_at_divergence"]}
                         for r in rows if not r["match"]],
-        "acceptance_length": statistics.fmean(r["acceptance_length"] for r in rows),
+        "acceptance_length": _acceptance(rows),
+        "acceptance_length_definition": ACCEPTANCE_DEFINITION,
         # total time over total time: one slow prompt weighs as much as its share of the work
         "speedup": sum(r["ar_latency_s"] for r in rows) / sum(r["latency_s"] for r in rows) if speedups else None,
         "speedup_min": min(speedups) if speedups else None,
@@ -135,14 +220,16 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
     }
     for category in sorted({r["category"] for r in rows}):
         subset = [r for r in rows if r["category"] == category]
-        summary[f"acceptance_length_{category}"] = statistics.fmean(r["acceptance_length"] for r in subset)
+        summary[f"acceptance_length_{category}"] = _acceptance(subset)
     return summary
 
 
 def write_reports(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     atomic_write_json(out / "verify.json", {"summary": summary, "prompts": rows})
     lines = ["# specdeploy verify", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items() if k != "divergences"]
+    lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items()
+              if k not in ("divergences", "acceptance_length_definition")]
+    lines += ["", f"Acceptance length: {ACCEPTANCE_DEFINITION}."]
     lines += ["", "## Per prompt", "", "| category | match | first divergence | margin | accept len | speed-up |", "|---|---|---|---|---|---|"]
     for r in rows:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
@@ -174,60 +261,103 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> None:
         plt.close(fig)
 
 
+def _model_dir(build: BuildDir) -> Path:
+    """The checkpoint a TensorRT-LLM server loads: the quantized one, else the resolved base."""
+    return build.path("quantized") if build.record("quantize") else build.path("base")
+
+
 def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, url: str | None = None,
-           near_tie: float = 1.0, baseline: bool = True) -> dict[str, Any]:
-    """Run the checks; return the summary (also written to reports/)."""
-    from specdeploy.runtime.deployment import load_decoder
+           near_tie: float = 1.0, baseline: bool = True, device: str = "auto", server: str = "cpu",
+           route: str | None = None) -> dict[str, Any]:
+    """Run the checks; return the summary (also written to reports/, or reports_gpu/ for a
+    TensorRT-LLM server)."""
+    if server == "trtllm":
+        return _verify_trtllm(build, per_category=per_category, max_new_tokens=max_new_tokens, url=url,
+                              near_tie=near_tie, device=device, route=route)
     from specdeploy.triton.serve import TritonServer
 
     cpu_repo = build.path("triton_repo") / "cpu"
     if build.record("package") is None or not (cpu_repo / DEPLOYMENT).exists():
         raise SpecDeployError(f"no packaged repository in {build.root}", hint="run `make engine` (or `specdeploy package`) first")
     settings = {"per_category": per_category, "max_new_tokens": max_new_tokens, "url": url, "near_tie": near_tie}
-    decoder = load_decoder(cpu_repo / DEPLOYMENT)
-    prompts = load_prompts(per_category, decoder.tokenizer)
-    dtype = json.loads((cpu_repo / DEPLOYMENT).read_text())["dtype"]
+    deployment = json.loads((cpu_repo / DEPLOYMENT).read_text())
+    dtype = deployment["dtype"]
+    reference = load_reference((cpu_repo / DEPLOYMENT).parent / deployment["model_dir"], dtype, device)
+    prompts = load_prompts(per_category, reference.tokenizer)
+    twin_dir = build.root / ".ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as servers:
         if url is None:
             url = servers.enter_context(TritonServer(cpu_repo, log_path=tmp / "tritonserver.log")).grpc_url
         ar = None
         if baseline:
-            twin = autoregressive_twin(cpu_repo, build.root / ".ar_repo")
+            twin = autoregressive_twin(cpu_repo, twin_dir)
             ar_server = servers.enter_context(TritonServer(twin, log_path=tmp / "tritonserver_ar.log"))
             ar = TritonLLMClient(ar_server.grpc_url)
             ar.wait_ready()
         spec = TritonLLMClient(url)
         spec.wait_ready()
-        rows = run_prompts(spec, ar, decoder, prompts, max_new_tokens)
-        summary = summarize(rows, dtype, parity_rule(dtype, getattr(decoder.target, "specdeploy_quant", {})), near_tie)
+        rows = run_prompts(spec, ar, reference, prompts, max_new_tokens)
+        summary = summarize(rows, dtype, parity_rule(dtype, getattr(reference.model, "specdeploy_quant", {})), near_tie)
         write_reports(tmp, summary, rows)
-    shutil.rmtree(build.root / ".ar_repo", ignore_errors=True)
+    shutil.rmtree(twin_dir.parent, ignore_errors=True)
+    return summary
+
+
+def _verify_trtllm(build: BuildDir, *, per_category: int, max_new_tokens: int, url: str | None, near_tie: float,
+                   device: str, route: str | None) -> dict[str, Any]:
+    """Against a TensorRT-LLM server: float32 reference on `device`, the near-tie rule."""
+    from specdeploy.triton.package import gpu_routes
+
+    if url is None:
+        raise SpecDeployError("--server trtllm needs --url (the gRPC address of the TensorRT-LLM Triton server)",
+                              hint="build_scripts/gpu_host.sh build/<name> starts one and passes it")
+    routes = gpu_routes(build)
+    target = trtllm_target(routes, route)
+    settings = {"per_category": per_category, "max_new_tokens": max_new_tokens, "url": url, "near_tie": near_tie,
+                "route": route or routes["recommended"], "model": target.model}
+    reference = load_reference(_model_dir(build), "float32", device)
+    prompts = load_prompts(per_category, reference.tokenizer)
+    with build.stage(GPU_STAGE, GPU_OUT, settings, consumes=("package",)) as tmp:
+        client = TritonLLMClient(url, model=target.model)
+        client.wait_ready(timeout_s=600)
+        rows = run_prompts(client, None, reference, prompts, max_new_tokens, target)
+        summary = {"server": f"TensorRT-LLM {routes['trtllm_version']} ({settings['route']} route, {target.model})",
+                   **summarize(rows, "float32 reference; TensorRT-LLM serves bf16/fp16 or FP8", "near-tie", near_tie)}
+        write_reports(tmp, summary, rows)
     return summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
+    add_device_arg(parser)  # where the Hugging Face reference computes
     parser.add_argument("--url", help="use a running server (gRPC host:port) instead of starting one")
+    parser.add_argument("--server", choices=["cpu", "trtllm"], default="cpu",
+                        help="cpu (default): the CPU repository (exact parity where the dtype allows); trtllm: a TensorRT-LLM "
+                             "deployment at --url (reference in float32 on --device, near-tie rule)")
+    parser.add_argument("--route", choices=["engine", "llmapi"],
+                        help="--server trtllm: the GPU route served (default: the one gpu_routes.json recommends)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per category (chat, code); default 4")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--near-tie", type=float, default=1.0,
-                        help="where parity cannot be exact (bf16; fp32 with quantized activations): a divergence "
-                             "passes when the reference's top-2 logit margin there is <= this")
+                        help="where parity cannot be exact (bf16; fp32 with quantized activations; any TensorRT-LLM server): "
+                             "a divergence passes when the reference's top-2 logit margin there is <= this")
     parser.add_argument("--no-baseline", action="store_true", help="skip the autoregressive twin (no speed-up figure)")
-    parser.add_argument("--ar-lower-bound", type=float, help="fail when the mean acceptance length is below this")
+    parser.add_argument("--ar-lower-bound", type=float, help="fail when the acceptance length is below this")
 
 
 def main(args: argparse.Namespace) -> int:
     build = build_from_args(args)
     summary = verify(build, per_category=args.prompts, max_new_tokens=args.max_new_tokens, url=args.url,
-                     near_tie=args.near_tie, baseline=not args.no_baseline)
+                     near_tie=args.near_tie, baseline=not args.no_baseline, device=args.device, server=args.server,
+                     route=args.route)
     for key, value in summary.items():
         if key != "divergences":
             print(f"{key:>28}: {value:.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
     for d in summary["divergences"]:
         print(f"  divergence at token {d['token']} (margin {d['margin']}): {d['prompt']!r}")
-    print(f"reports: {build.path(OUT)}/verify.json, verify.md, acceptance_length.png, speedup.png")
-    if summary["parity_rule"] != "exact":
+    out = build.path(GPU_OUT if args.server == "trtllm" else OUT)
+    print(f"reports: {out}/verify.json, verify.md, acceptance_length.png" + (", speedup.png" if summary["speedup"] else ""))
+    if summary["parity_rule"] != "exact" and args.server == "cpu":
         print(f"note: {summary['dtype']} cannot be exact here, divergences judged by the near-tie rule; "
               "package with --dtype auto (float64 when activations or K/V are quantized) for the exact check")
     failed = not summary["parity_ok"]

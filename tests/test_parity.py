@@ -8,8 +8,10 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdeploy.parity import compare, hf_reference
-from specdeploy.quantize import parity_dtype
-from specdeploy.verify import parity_rule, summarize
+from specdeploy.quantize.loader import parity_dtype
+from specdeploy.runtime.types import acceptance_length
+from specdeploy.verify import (ACCEPTANCE_DEFINITION, parity_rule, served_forwards, summarize,
+                              trtllm_target, write_reports)
 
 
 def test_reference_match_and_divergence(tiny_llama_dir):
@@ -45,7 +47,8 @@ def test_parity_is_exact_only_where_the_runtime_can_be(dtype, quant, rule):
 
 def test_a_divergence_fails_the_exact_rule_and_passes_near_tie_only_when_small():
     row = {"prompt": "<|im_start|>system\nYou are a helpful AI assistant", "shown": "Why is the sky blue?", "reference": "ab", "served": "ac", "match": False, "first_divergence_token": 1,
-           "margin_at_divergence": 0.3, "tokens": 2, "acceptance_length": 1.0, "latency_s": 1.0, "ttft_s": 0.1,
+           "margin_at_divergence": 0.3, "tokens": 2, "accepted_draft_tokens": 0, "target_forwards": 1,
+           "acceptance_length": 1.0, "latency_s": 1.0, "ttft_s": 0.1,
            "speedup": None, "ar_latency_s": None, "category": "chat"}
     exact = summarize([row], "float64", "exact", near_tie=1.0)
     assert not exact["parity_ok"] and exact["divergences"][0]["prompt"] == "Why is the sky blue?"  # not the template
@@ -57,3 +60,43 @@ def test_parity_dtype_follows_the_quantized_checkpoint(tmp_path):
     assert parity_dtype(tmp_path) == "float32"  # not quantized
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
     assert parity_dtype(tmp_path) == "float64"
+
+
+def _row(category: str, tokens: int, accepted: int) -> dict:
+    forwards = served_forwards(tokens, accepted)
+    return {"category": category, "shown": "p", "prompt": "p", "reference": "a", "served": "a", "match": True,
+            "first_divergence_token": None, "margin_at_divergence": None, "tokens": tokens, "perf": {},
+            "accepted_draft_tokens": accepted, "target_forwards": forwards,
+            "acceptance_length": acceptance_length(accepted, forwards), "latency_s": 1.0, "ttft_s": 0.1,
+            "speedup": None, "ar_latency_s": None}
+
+
+def test_acceptance_length_is_trtllms_summed_over_prompts(tmp_path):
+    """The prefill yields the first token; each later forward its accepted drafts + 1. The
+    aggregate sums both counts: a short answer does not weigh like a long one."""
+    assert served_forwards(tokens=10, accepted=0) == 9  # plain decoding: 1 token per forward
+    assert served_forwards(tokens=64, accepted=42) == 21
+    rows = [_row("chat", 64, 42), _row("code", 4, 0)]
+    summary = summarize(rows, "float32", "exact", near_tie=1.0)
+    assert summary["acceptance_length"] == pytest.approx((42 + 21 + 3) / (21 + 3))
+    assert summary["acceptance_length"] != pytest.approx((rows[0]["acceptance_length"] + rows[1]["acceptance_length"]) / 2)
+    assert summary["acceptance_length_chat"] == pytest.approx(63 / 21) and summary["acceptance_length_code"] == 1.0
+    assert summary["acceptance_length_definition"] == ACCEPTANCE_DEFINITION
+    write_reports(tmp_path, summary, rows)
+    assert f"Acceptance length: {ACCEPTANCE_DEFINITION}" in (tmp_path / "verify.md").read_text()
+
+
+def test_a_trtllm_route_is_asked_in_its_own_input_names():
+    routes = {"recommended": "llmapi", "routes": {
+        "llmapi": {"model": "tensorrt_llm", "inputs": "llmapi", "stream": True, "request": {}},
+        "engine": {"model": "tensorrt_llm_bls", "inputs": "ensemble", "stream": False, "request": {"num_draft_tokens": 3}}}}
+    llm = trtllm_target(routes, None)
+    sent = llm.request("hi", 8).tensors(stream=llm.stream)
+    assert llm.model == "tensorrt_llm" and llm.stream
+    assert sent["sampling_param_max_tokens"] == 8 and sent["streaming"] is True and "max_tokens" not in sent
+    assert sent["sampling_param_return_perf_metrics"] is True and sent["sampling_param_exclude_input_from_output"] is True
+    bls = trtllm_target(routes, "engine")
+    sent = bls.request("hi", 8).tensors(stream=bls.stream)
+    assert (bls.model, bls.stream, sent["num_draft_tokens"], sent["max_tokens"], sent["stream"]) == ("tensorrt_llm_bls", False, 3, 8, False)
+    with pytest.raises(Exception, match="no GPU route 'x'"):
+        trtllm_target(routes, "x")

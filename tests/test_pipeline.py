@@ -109,12 +109,13 @@ def test_an_eagle_deployment_serves_through_triton_with_exact_parity(long_contex
     build = _built(long_context_model, tmp_path / "tiny-eagle-fp8", "fp8", "--spec", "eagle", "--spec-steps", "3",
                    "--spec-prompts", "8")
     deployment = json.loads((build.path("triton_repo") / "cpu" / "tensorrt_llm" / "1" / "deployment.json").read_text())
-    assert deployment["spec"]["kind"] == "eagle" and deployment["spec"]["choices"]
+    # the CPU deployment drafts what the LLM-API config names: a chain, as TRT-LLM >= 1.3 does by default
+    assert deployment["spec"]["kind"] == "eagle" and deployment["spec"]["mode"] == "chain"
     report = _verify(build, "--no-baseline")
     assert report["summary"]["exact_match_rate"] == 1.0 and report["summary"]["parity_rule"] == "exact"
-    # not adaptive by default: it drafts its tree every step, as TensorRT-LLM does, even with a
-    # module this bad (3 training steps, nothing accepted; adaptive would stop after 3 misses)
-    assert all(r["perf"]["total_draft_tokens"] >= 4 * r["tokens"] for r in report["prompts"])
+    # not adaptive by default: it drafts every step, as TensorRT-LLM does, even with a module this
+    # bad (3 training steps, little accepted; adaptive would stop drafting after 3 misses)
+    assert all(r["perf"]["total_draft_tokens"] >= 2 * r["target_forwards"] for r in report["prompts"])
 
 
 @pytest.mark.server

@@ -1,14 +1,18 @@
 """Stage `package` offline: every generated config.pbtxt parses into Triton's ModelConfig
-protobuf, and the ensemble's wiring matches the models it calls (names, dtypes, required inputs)."""
+protobuf, the ensemble's wiring matches the models it calls (names, dtypes, required inputs),
+only the GPU routes the build has are packaged, and the CPU deployment drafts as the GPU config says."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from google.protobuf import text_format
+from safetensors.torch import save_file
 from tritonclient.grpc import model_config_pb2 as mc
 
 from specdeploy import models
@@ -17,8 +21,76 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.triton import package
+from specdeploy.trtllm import build as trt_build
+from specdeploy.trtllm import convert
 
 TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+EAGLE3_CFG = {
+    "eagle_use_torch_compile": False,
+    "eagle_architecture_config": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                  "intermediate_size": 96, "use_aux_hidden_state": True, "use_last_layernorm": True,
+                                  "eagle_aux_hidden_state_layer_ids": [0, 1], "torch_dtype": "float32"},
+}
+ROUTES = {"medusa": {"engine"}, "eagle": {"llmapi"}, "draft": {"engine", "llmapi"}, "ngram": {"llmapi"}, "none": {"engine", "llmapi"}}
+
+
+# ----------------------------------------------------------------------------- build helpers
+# (also used by tests/test_gpu_host.py)
+
+
+def medusa_module(hidden: int = 64, vocab: int = 384, heads: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for h in range(heads):
+        out[f"medusa_heads.{h}.0.linear.weight"] = torch.randn(hidden, hidden, generator=g)
+        out[f"medusa_heads.{h}.0.linear.bias"] = torch.randn(hidden, generator=g)
+        out[f"medusa_heads.{h}.1.weight"] = torch.randn(vocab, hidden, generator=g)
+    return out
+
+
+def eagle3_module(base: Path) -> dict[str, torch.Tensor]:
+    import modelopt.torch.speculative as mtsp
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    mtsp.convert(model, [("eagle", json.loads(json.dumps(EAGLE3_CFG)))])
+    return {k: v.contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")}
+
+
+def spec_stage(build: BuildDir, kind: str, module: dict[str, torch.Tensor], config: dict) -> None:
+    with build.stage("spec", "spec", {"kind": kind}, consumes=("resolve",)) as tmp:
+        save_file(module, str(tmp / "module.safetensors"))
+        (tmp / "spec_config.json").write_text(json.dumps({"kind": kind, **config}))
+
+
+def new_build(root: Path, model: Path, kind: str, eagle: dict | None = None, **convert_options) -> BuildDir:
+    """A build directory through resolve (+ spec for medusa/eagle) + convert, ready to package."""
+    build = BuildDir(root)
+    models.run(build, str(model))
+    if kind == "medusa":
+        spec_stage(build, "medusa", medusa_module(), {"choices": TREE, "modelopt_config": {"medusa_num_heads": 3}})
+    if kind == "eagle":
+        spec_stage(build, "eagle", eagle, {"choices": TREE, "modelopt_config": EAGLE3_CFG})
+    convert.run(build, kind=kind if kind in ("draft", "ngram") else None, **convert_options)
+    return build
+
+
+@pytest.fixture(scope="module")
+def eagle_tensors(tiny_llama_dir) -> dict[str, torch.Tensor]:
+    return eagle3_module(tiny_llama_dir)
+
+
+@pytest.fixture
+def make(tmp_path, tiny_llama_dir, tiny_draft_dir, eagle_tensors):
+    """make(kind, **convert options) -> a converted build directory under tmp_path."""
+    def _make(kind: str, name: str = "build", **options) -> BuildDir:
+        if kind == "draft":
+            options.setdefault("draft_model", str(tiny_draft_dir))
+        return new_build(tmp_path / name, tiny_llama_dir, kind, eagle_tensors, **options)
+    return _make
+
+
+# ----------------------------------------------------------------------------- parsing helpers
 
 
 def parse_config(path: Path) -> mc.ModelConfig:
@@ -67,39 +139,45 @@ def tensors(config: mc.ModelConfig) -> tuple[list, list]:
     return sig(config.input), sig(config.output)
 
 
-@pytest.fixture(scope="module")
-def base_build(tmp_path_factory, tiny_llama_dir) -> Path:
-    root = tmp_path_factory.mktemp("pkg") / "build"
-    models.run(BuildDir(root), str(tiny_llama_dir))
-    return root
+def model_yaml(out: Path) -> dict:
+    return yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())
 
 
-def packaged(base_build: Path, tmp_path: Path, **options) -> Path:
-    root = tmp_path / "build"
-    root.mkdir(parents=True)
-    for item in base_build.iterdir():  # a fresh build dir per test sharing the resolved model
-        (root / item.name).symlink_to(item) if item.is_dir() else (root / item.name).write_bytes(item.read_bytes())
-    return package.run(BuildDir(root), **options)
+def deployment(out: Path) -> dict:
+    return json.loads((out / "cpu" / "tensorrt_llm" / "1" / "deployment.json").read_text())
+
+
+# ----------------------------------------------------------------------------------- tests
 
 
 @pytest.mark.parametrize("spec", ["medusa", "eagle", "draft", "ngram", "none"])
-def test_every_config_parses_and_the_ensemble_is_wired(base_build, tmp_path, tiny_llama_dir, spec):
-    choices = TREE if spec in ("medusa", "eagle") else None
-    draft = tiny_llama_dir if spec == "draft" else None
-    out = packaged(base_build, tmp_path, spec=spec, choices=choices, draft_model_dir=draft)
-    cpu, engine = load_repo(out / "cpu"), load_repo(out / "engine")
+def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make, spec):
+    build = make(spec)
+    out = package.run(build, spec=spec)
+    cpu = load_repo(out / "cpu")
     assert set(cpu) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing"}
     check_ensemble_wiring(cpu)
-    check_ensemble_wiring(engine)
-    # the CPU model answers under the same name with the same inputs/outputs as the engine's
-    assert tensors(cpu["tensorrt_llm"]) == tensors(engine["tensorrt_llm"])
-    assert tensors(cpu["ensemble"]) == tensors(engine["ensemble"])
-    assert cpu["tensorrt_llm"].backend == "python" and engine["tensorrt_llm"].backend == "tensorrtllm"
-    assert load_repo(out / "llmapi")["tensorrt_llm"].backend == "python"
+    assert cpu["tensorrt_llm"].backend == "python"
+    routes = package.gpu_routes(build)
+    assert set(routes["routes"]) == ROUTES[spec]
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"cpu", *ROUTES[spec]}
+    assert routes["recommended"] == ("llmapi" if "llmapi" in ROUTES[spec] else "engine")
+    assert set(routes["refused"]) == {"engine", "llmapi"} - ROUTES[spec] and all(routes["refused"].values())
+    if "engine" in ROUTES[spec]:
+        engine = load_repo(out / "engine")
+        check_ensemble_wiring(engine)
+        # the CPU model answers under the same name with the same inputs/outputs as the engine's
+        assert tensors(cpu["tensorrt_llm"]) == tensors(engine["tensorrt_llm"])
+        assert tensors(cpu["ensemble"]) == tensors(engine["ensemble"])
+        assert engine["tensorrt_llm"].backend == "tensorrtllm"
+    if "llmapi" in ROUTES[spec]:
+        assert load_repo(out / "llmapi")["tensorrt_llm"].backend == "python"
+    summary = "\n".join(package.gpu_summary(build))
+    assert f"build_scripts/gpu_host.sh {build.root}" in summary and "build_engines.sh" not in summary
 
 
-def test_ensemble_matches_trtllm_client_contract(base_build, tmp_path):
-    ensemble = load_repo(packaged(base_build, tmp_path, spec="none") / "cpu")["ensemble"]
+def test_ensemble_matches_trtllm_client_contract(make):
+    ensemble = load_repo(package.run(make("none"), spec="none") / "cpu")["ensemble"]
     inputs = {t.name: t for t in ensemble.input}
     required = {n for n, t in inputs.items() if not t.optional}
     assert required == {"text_input", "max_tokens"}
@@ -116,22 +194,23 @@ def test_ensemble_matches_trtllm_client_contract(base_build, tmp_path):
     assert outputs["acceptance_rate"] == T.TYPE_FP32
 
 
-@pytest.mark.parametrize("spec", ["medusa", "eagle"])
-def test_engine_config_carries_tree_and_decoding_mode(base_build, tmp_path, spec):
-    out = packaged(base_build, tmp_path, spec=spec, choices=TREE, kv_cache_free_gpu_mem_fraction=0.85)
+def test_medusa_engine_config_carries_the_tree_the_cpu_deployment_drafts(make):
+    out = package.run(make("medusa"), spec="medusa", kv_cache_free_gpu_mem_fraction=0.85)
     trt = load_repo(out / "engine")["tensorrt_llm"]
-    assert param(trt, "decoding_mode") == spec
-    assert validate_choices(param(trt, f"{spec}_choices")).to_list() == validate_choices(TREE).to_list()
-    assert param(trt, "gpt_model_path") == str((out.parent / "engines" / "target").resolve())
+    assert param(trt, "decoding_mode") == "medusa"
+    assert validate_choices(param(trt, "medusa_choices")).to_list() == validate_choices(TREE).to_list()
+    assert param(trt, "gpt_model_path") == "$BUILD_DIR/engines/target"  # resolved by gpu_host.sh
+    assert param(trt, "tokenizer_dir") == "$BUILD_DIR/base"
     assert param(trt, "kv_cache_free_gpu_mem_fraction") == "0.85"
     assert param(trt, "gpt_model_type") == "inflight_fused_batching"
     assert trt.model_transaction_policy.decoupled and trt.max_batch_size == 64
-    other = "eagle" if spec == "medusa" else "medusa"
-    assert param(trt, f"{other}_choices") == f"${{{other}_choices}}"  # unset, as the backend expects
+    assert param(trt, "eagle_choices") == "${eagle_choices}"  # unset, as the backend expects
+    spec = deployment(out)["spec"]
+    assert spec["choices"] == validate_choices(TREE).to_list() and spec["max_draft_len"] == 5
     # the same values in the backend's own fill_template.py syntax: commas inside values escaped
     args = (out / "engine" / "fill_template_args.txt").read_text().strip()
-    assert f"{spec}_choices:" + validate_choices(TREE).to_pbtxt().replace(",", "\\,") in args
-    assert split_like_fill_template(args)[f"{spec}_choices"] == validate_choices(TREE).to_pbtxt()
+    assert "medusa_choices:" + validate_choices(TREE).to_pbtxt().replace(",", "\\,") in args
+    assert split_like_fill_template(args)["medusa_choices"] == validate_choices(TREE).to_pbtxt()
 
 
 def split_like_fill_template(args: str) -> dict[str, str]:
@@ -156,8 +235,9 @@ def split_like_fill_template(args: str) -> dict[str, str]:
     return result
 
 
-def test_draft_target_goes_through_bls(base_build, tmp_path, tiny_llama_dir):
-    out = packaged(base_build, tmp_path, spec="draft", draft_model_dir=tiny_llama_dir)
+def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(make, tiny_draft_dir):
+    build = make("draft", max_draft_len=3)
+    out = package.run(build, spec="draft", max_draft_len=3)
     engine = load_repo(out / "engine")
     bls = engine["tensorrt_llm_bls"]
     assert param(bls, "tensorrt_llm_model_name") == "tensorrt_llm"
@@ -165,41 +245,111 @@ def test_draft_target_goes_through_bls(base_build, tmp_path, tiny_llama_dir):
     assert {"num_draft_tokens", "use_draft_logits"} <= {t.name for t in bls.input}
     draft = engine["tensorrt_llm_draft"]
     assert tensors(draft) == tensors(engine["tensorrt_llm"])
-    assert param(draft, "gpt_model_path").endswith("engines/draft")
-    assert param(engine["tensorrt_llm"], "gpt_model_path").endswith("engines/target")
+    assert param(draft, "gpt_model_path") == "$BUILD_DIR/engines/draft"
     assert param(engine["tensorrt_llm"], "enable_kv_cache_reuse") == "true"
-    spec = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
-    assert spec["decoding_type"] == "DraftTarget" and spec["speculative_model_dir"] == str(tiny_llama_dir.resolve())
+    route = package.gpu_routes(build)["routes"]["engine"]
+    assert route["model"] == "tensorrt_llm_bls" and route["request"] == {"num_draft_tokens": 3} and route["stream"] is False
+    assert "num_draft_tokens" in (out / "README.md").read_text() and "does not stream" in (out / "README.md").read_text()
+    # the LLM API drafts the same 3 tokens from the draft model the build carries
+    spec = model_yaml(out)["speculative_config"]
+    assert spec == {"decoding_type": "Draft_Target", "max_draft_len": 3,
+                    "speculative_model": "$BUILD_DIR/trtllm_ckpt/draft_model"}
+    carried = build.path("trtllm_ckpt") / "draft_model"
+    assert (carried / "config.json").read_bytes() == (tiny_draft_dir / "config.json").read_bytes()
 
 
-def test_cpu_deployment_json_is_what_load_decoder_reads(base_build, tmp_path, tiny_llama_dir):
-    out = packaged(base_build, tmp_path, spec="draft", draft_model_dir=tiny_llama_dir, max_draft_len=3)
+def test_cpu_deployment_json_is_what_load_decoder_reads(make):
+    build = make("draft", max_draft_len=3)
+    out = package.run(build, spec="draft", max_draft_len=3)
     folder = out / "cpu" / "tensorrt_llm" / "1"
-    deployment = json.loads((folder / "deployment.json").read_text())
-    assert (folder / deployment["model_dir"]).resolve() == (out.parent / "base").resolve()
-    assert (folder / deployment["spec"]["draft_model_dir"]).resolve() == tiny_llama_dir.resolve()
-    assert deployment["spec"]["kind"] == "draft" and deployment["spec"]["max_draft_len"] == 3
-    assert deployment["spec"]["adaptive"] is False  # speculates every step, as TensorRT-LLM does
-    assert load_decoder(folder / "deployment.json").adaptive is False
+    config = deployment(out)
+    assert (folder / config["model_dir"]).resolve() == build.path("base").resolve()
+    assert (folder / config["spec"]["draft_model_dir"]).resolve() == (build.path("trtllm_ckpt") / "draft_model").resolve()
+    assert not Path(config["spec"]["draft_model_dir"]).is_absolute()  # inside the build: relative
+    assert config["spec"]["kind"] == "draft" and config["spec"]["max_draft_len"] == 3
+    assert config["spec"]["adaptive"] is False  # speculates every step, as TensorRT-LLM does
+    decoder = load_decoder(folder / "deployment.json")
+    assert decoder.adaptive is False and decoder.draft_len == 3
     assert (folder / "model.py").exists()
     trt = load_repo(out / "cpu")["tensorrt_llm"]
     assert param(trt, "specdeploy_deployment") == "deployment.json"
     assert trt.model_transaction_policy.decoupled
+    with pytest.raises(SpecDeployError, match="differs from the chain of 3"):
+        package.run(build, spec="draft", max_draft_len=5)
 
 
-def test_llmapi_model_yaml(base_build, tmp_path):
-    for spec, decoding in (("eagle", "Eagle3"), ("ngram", "NGram"), ("medusa", None)):
-        out = packaged(base_build, tmp_path / spec, spec=spec, choices=TREE if spec != "ngram" else None)
-        config = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())
-        assert config["backend"] == "pytorch" and config["triton_config"]["decoupled"] is True
-        assert config["kv_cache_config"]["free_gpu_memory_fraction"] == 0.9
-        assert config.get("speculative_config", {}).get("decoding_type") == decoding
-        assert config["max_seq_len"] == 256
+def test_llmapi_model_yaml_is_one_writer_that_honours_the_converted_tp(make):
+    build = make("ngram", tp=2)
+    out = package.run(build, spec="ngram")
+    config = model_yaml(out)
+    assert config["backend"] == "pytorch" and config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
+    assert config["tensor_parallel_size"] == 2 and config["pipeline_parallel_size"] == 1
+    assert config["model"] == "$BUILD_DIR/base" and config["max_seq_len"] == 256  # the tiny model's context
+    assert config["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9}
+    assert config["speculative_config"]["decoding_type"] == "NGram" and config["disable_overlap_scheduler"] is True
+    serve = yaml.safe_load((out / "llmapi" / "trtllm_serve.yaml").read_text())
+    assert serve == {k: v for k, v in config.items() if k not in ("model", "triton_config")}
+    assert package.gpu_routes(build)["routes"]["llmapi"]["world_size"] == 2
+    # the CPU n-gram proposer looks up the same n-gram size and drafts as many tokens
+    assert {"kind": "ngram", "max_ngram": 3, "max_draft_len": 4}.items() <= deployment(out)["spec"].items()
 
 
-def test_stage_is_skipped_when_complete_and_redone_when_settings_change(base_build, tmp_path):
-    root = packaged(base_build, tmp_path, spec="ngram").parent
-    build = BuildDir(root)
+def test_eagle_drafts_the_same_chain_on_both_sides_and_never_a_static_tree(make):
+    build = make("eagle")
+    out = package.run(build, spec="eagle")
+    gpu = model_yaml(out)["speculative_config"]
+    assert gpu["max_draft_len"] == 4 and "eagle_choices" not in gpu and "use_dynamic_tree" not in gpu
+    spec = deployment(out)["spec"]
+    assert (spec["mode"], spec["chain_len"], spec["max_draft_len"], spec["choices"]) == ("chain", 4, 4, None)
+    assert param(load_repo(out / "cpu")["tensorrt_llm"], "eagle_choices") == "${eagle_choices}"  # unset
+    decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
+    assert decoder.proposer.mode == "chain" and decoder.proposer.chain_len == 4 and decoder.draft_len == 4
+    with pytest.raises(SpecDeployError, match="not a static eagle_choices tree"):
+        package.run(build, spec="eagle", choices=TREE)
+
+
+def test_dynamic_tree_on_a_release_that_has_it_both_sides(make):
+    build = make("eagle", trtllm_version="1.3.0", eagle_tree="dynamic", max_draft_len=3, tree_topk=2, tree_total=5)
+    out = package.run(build, spec="eagle")
+    gpu = model_yaml(out)["speculative_config"]
+    assert (gpu["use_dynamic_tree"], gpu["dynamic_tree_max_topK"], gpu["max_total_draft_tokens"], gpu["max_draft_len"]) == (True, 2, 5, 3)
+    spec = deployment(out)["spec"]
+    assert (spec["mode"], spec["depth"], spec["topk"], spec["width"], spec["budget"], spec["max_draft_len"]) == ("dynamic", 3, 2, 2, 5, 5)
+    decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
+    assert (decoder.proposer.mode, decoder.proposer.depth, decoder.proposer.topk, decoder.proposer.budget) == ("dynamic", 3, 2, 5)
+
+
+@pytest.mark.parametrize("device, kind", [("cpu", "kind: KIND_CPU"), ("auto", "kind: KIND_CPU"),
+                                          ("cuda", "kind: KIND_GPU }"), ("cuda:1", "kind: KIND_GPU gpus: [ 1 ]")])
+def test_device_is_recorded_as_given_and_picks_the_instance_kind(make, device, kind):
+    out = package.run(make("none"), spec="none", device=device)
+    assert deployment(out)["device"] == device  # "auto" resolves where the model loads, not here
+    text = (out / "cpu" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert kind in text
+    group = parse_config(out / "cpu" / "tensorrt_llm" / "config.pbtxt").instance_group[0]
+    assert group.kind == (mc.ModelInstanceGroup.KIND_GPU if device.startswith("cuda") else mc.ModelInstanceGroup.KIND_CPU)
+    assert list(group.gpus) == ([1] if device == "cuda:1" else [])
+    assert "kind: KIND_CPU" in (out / "engine" / "tensorrt_llm" / "config.pbtxt").read_text()  # the C++ backend's
+
+
+def test_the_build_limits_and_every_repository_declare_the_same_context(make):
+    build = make("draft", max_draft_len=3)
+    trt_build.run(build, trt_build.BuildLimits(max_seq_len=128, max_input_len=100))
+    out = package.run(build, spec="draft", max_draft_len=3)
+    plan = json.loads((build.path("engines") / trt_build.PLAN).read_text())
+    argv = plan["commands"][0]
+    assert argv[argv.index("--max_seq_len") + 1] == "128" and argv[argv.index("--max_input_len") + 1] == "100"
+    for repo in ("cpu", "engine"):
+        pre = load_repo(out / repo)["preprocessing"]
+        assert (param(pre, "max_input_len"), param(pre, "max_output_len")) == ("100", "128"), repo
+    assert model_yaml(out)["max_seq_len"] == 128
+    # without a build stage, the defaults fitted to the model's context (256 here)
+    assert model_yaml(package.run(make("none", name="other"), spec="none"))["max_seq_len"] == 256
+
+
+def test_stage_is_skipped_when_complete_and_redone_when_settings_change(make):
+    build = make("ngram")
+    root = package.run(build, spec="ngram").parent
     config = root / "triton_repo" / "cpu" / "ensemble" / "config.pbtxt"
     stamp = config.stat().st_mtime_ns
     package.run(build, spec="ngram")
@@ -221,32 +371,25 @@ def test_backend_fill_args_round_trip_through_fill_template_parsing():
     assert split_like_fill_template(package.backend_fill_args(values)) == values
 
 
-def test_tree_defaults_to_the_one_the_spec_stage_recorded(base_build, tmp_path):
-    root = tmp_path / "build"
-    root.mkdir()
-    for item in base_build.iterdir():
-        (root / item.name).symlink_to(item) if item.is_dir() else (root / item.name).write_bytes(item.read_bytes())
-    build = BuildDir(root)
-    with build.stage("spec", "spec", {"kind": "eagle"}, consumes=("resolve",)) as tmp:
-        (tmp / "spec_config.json").write_text(json.dumps({"kind": "eagle", "choices": TREE}))
-        (tmp / "eagle3_export").mkdir()
-        (tmp / "eagle3_export" / "config.json").write_text("{}")
-    out = package.run(build, spec="eagle")
-    trt = load_repo(out / "engine")["tensorrt_llm"]
-    assert validate_choices(param(trt, "eagle_choices")).to_list() == validate_choices(TREE).to_list()
-    deployment = json.loads((out / "cpu" / "tensorrt_llm" / "1" / "deployment.json").read_text())
-    assert deployment["spec"]["choices"] == validate_choices(TREE).to_list() and deployment["spec"]["path"] == "../../../../spec"
-    spec = yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["speculative_config"]
-    assert spec["speculative_model_dir"] == str(root.resolve() / "spec" / "eagle3_export")
-    tree = validate_choices(TREE)
-    assert (spec["max_draft_len"], spec["max_total_draft_tokens"]) == (tree.depth, tree.num_nodes)
-    assert validate_choices(spec["eagle_choices"]).to_list() == tree.to_list()
-
-
-def test_no_stream_makes_gpu_configs_non_decoupled_but_cpu_stays_streaming(base_build, tmp_path):
-    out = packaged(base_build, tmp_path, spec="ngram", decoupled=False)
+def test_no_stream_makes_gpu_configs_non_decoupled_but_cpu_stays_streaming(make):
+    build = make("none")
+    out = package.run(build, spec="none", decoupled=False)
     engine = load_repo(out / "engine")
     assert not engine["tensorrt_llm"].model_transaction_policy.decoupled
     assert not engine["tensorrt_llm_bls"].model_transaction_policy.decoupled
-    assert yaml.safe_load((out / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text())["triton_config"]["decoupled"] is False
+    assert model_yaml(out)["triton_config"]["decoupled"] is False
     assert load_repo(out / "cpu")["tensorrt_llm"].model_transaction_policy.decoupled
+    assert package.gpu_routes(build)["routes"]["llmapi"]["stream"] is False
+
+
+def test_a_standalone_package_without_convert_has_only_the_cpu_repository(tmp_path, tiny_llama_dir):
+    build = BuildDir(tmp_path / "b")
+    models.run(build, str(tiny_llama_dir))
+    out = package.run(build, spec="ngram", max_draft_len=2)
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"cpu"}
+    assert package.gpu_routes(build)["recommended"] is None
+    assert "nothing to run on a GPU host" in package.gpu_summary(build)[0]
+    assert deployment(out)["spec"]["max_draft_len"] == 2
+    shutil.rmtree(out)  # gpu_routes needs the packaged repository
+    with pytest.raises(SpecDeployError, match="gpu_routes.json not found"):
+        package.gpu_routes(build)

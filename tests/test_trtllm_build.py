@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.trtllm import build as trt_build
-from specdeploy.trtllm import convert
+from specdeploy.trtllm import convert, formats
 from specdeploy.trtllm.formats import SPECULATIVE_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,21 +34,10 @@ def _medusa_module(hidden: int = 64, vocab: int = 384, heads: int = 3) -> dict[s
     return out
 
 
-def _eagle_module(hidden: int = 64) -> dict[str, torch.Tensor]:
-    """ModelOpt names, engine layout (no first-layer input norm), 4 heads x 16, 2 KV heads."""
-    g = torch.Generator().manual_seed(1)
-    p = "eagle_module.layers.0."
-    shapes = {"self_attn.q_proj.weight": (64, hidden), "self_attn.k_proj.weight": (32, hidden), "self_attn.v_proj.weight": (32, hidden),
-              "self_attn.o_proj.weight": (hidden, 64), "mlp.gate_proj.weight": (96, hidden), "mlp.up_proj.weight": (96, hidden),
-              "mlp.down_proj.weight": (hidden, 96), "post_attention_layernorm.weight": (hidden,)}
-    return {p + k: torch.randn(*s, generator=g) for k, s in shapes.items()}
-
-
 def _spec_dir(path: Path, kind: str, module: dict, choices: list) -> Path:
     path.mkdir(parents=True)
     save_file(module, str(path / "module.safetensors"))
-    arch = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "use_aux_hidden_state": False}
-    (path / "spec_config.json").write_text(json.dumps({"kind": kind, "choices": choices, "modelopt_config": {"eagle_architecture_config": arch}}))
+    (path / "spec_config.json").write_text(json.dumps({"kind": kind, "choices": choices, "modelopt_config": {"medusa_num_heads": 3}}))
     return path
 
 
@@ -76,15 +65,16 @@ def test_medusa_plan_uses_the_choices_tree(tiny_llama_dir, tmp_path):
     assert any("greedy only" in n for n in _plan(tmp_path / "ckpt")["notes"])
 
 
-def test_eagle_plan_enables_paged_context_fmha(tiny_llama_dir, tmp_path):
-    choices = [[0], [1], [0, 0], [0, 0, 0]]
-    spec = convert.load_spec(_spec_dir(tmp_path / "spec", "eagle", _eagle_module(), choices))
-    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt", tp=2, spec=spec)
+def test_limits_never_exceed_the_models_context(tiny_llama_dir, tmp_path):
+    """--max_seq_len / --max_input_len capped at max_position_embeddings (256 for the tiny model):
+    the Triton repositories declare the same numbers."""
+    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt")
     plan = _plan(tmp_path / "ckpt")
     argv = _cmd(plan, "target")
-    assert _flag(argv, "--speculative_decoding_mode") == "eagle" and _flag(argv, "--max_draft_len") == "4"
-    assert _flag(argv, "--use_paged_context_fmha") == "enable" and _flag(argv, "--kv_cache_type") == "paged"
-    assert plan["world_size"] == 2 and plan["checkpoints"]["target"]["architecture"] == "EagleForCausalLM"
+    assert (_flag(argv, "--max_seq_len"), _flag(argv, "--max_input_len")) == ("256", "256")
+    assert plan["limits"]["max_seq_len"] == 256 and plan["limits"]["max_batch_size"] == 8
+    small = trt_build.make_plan(tmp_path / "ckpt", trt_build.BuildLimits(max_seq_len=100, max_input_len=200))
+    assert (small["limits"]["max_seq_len"], small["limits"]["max_input_len"]) == (100, 100)
 
 
 def test_draft_target_plan_builds_the_target_for_external_drafts(tiny_llama_dir, tiny_draft_dir, tmp_path):
@@ -122,22 +112,29 @@ def test_script_is_valid_bash_and_refuses_to_run_here(tiny_llama_dir, tmp_path):
     assert '--checkpoint_dir "$CKPT_DIR"/target' in text and '--output_dir "$ENGINE_DIR"/target' in text
     assert "--speculative_decoding_mode medusa --max_draft_len 2" in text
     assert json.loads((tmp_path / "engines" / trt_build.PLAN).read_text())["commands"] == plan["commands"]
-    if shutil.which("trtllm-build") is None:  # this project's machines: the script must stop, not pretend
-        done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
-        assert done.returncode == 3 and "trtllm-build not found" in done.stderr
-        assert not list((tmp_path / "engines").rglob("*.engine"))
+    # a host without trtllm-build (this one; on a GPU host, a PATH without it): stop, do not pretend
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("bash", "dirname"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={"PATH": str(bare)})
+    assert done.returncode == 3 and "trtllm-build not found" in done.stderr
+    assert not list((tmp_path / "engines").rglob("*.engine"))
 
 
 @pytest.mark.parametrize("version, ok", [("0.15.0", True), ("0.21.0", True), ("1.0.0", True), ("1.1.0rc2", True),
-                                         ("1.2.0", False), ("1.2.0rc5", False), ("2.0.1", False), ("0.14.0", False)])
-def test_version_window(version, ok):
+                                         ("1.2.0", True), ("1.2.1", True), ("1.3.0rc5", True),
+                                         ("1.4.0", False), ("1.4.0rc1", False), ("2.0.1", False), ("0.14.0", False)])
+def test_version_window(version, ok, capsys):
+    """Engines are built from 0.15 up to the 1.3 line (deprecated from 1.2), not from 1.4 on."""
     if ok:
         trt_build.check_engine_flow_version(version)
+        assert ("deprecated" in capsys.readouterr().out) == (version >= "1.2")
     else:
         with pytest.raises(SpecDeployError) as err:
             trt_build.check_engine_flow_version(version)
-        if trt_build.parse_version(version) >= (1, 2):
-            assert "--route llmapi" in err.value.hint
+        if formats.parse_version(version) >= (1, 4):
+            assert "--route llmapi" in err.value.hint and "removed for the 1.4 line" in str(err.value)
 
 
 def test_host_checks(monkeypatch):
@@ -150,13 +147,15 @@ def test_host_checks(monkeypatch):
     monkeypatch.setattr(trt_build, "gpu_visible", lambda: True)
     assert trt_build.host_can_build()[0] is True
     monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.2.1")
+    assert trt_build.host_can_build()[0] is True  # deprecated there, still builds
+    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.4.0")
     with pytest.raises(SpecDeployError, match="no trtllm-build"):
         trt_build.host_can_build()
 
 
-def test_build_stage_on_a_newer_trtllm_points_to_the_llmapi_route(tiny_llama_dir, tmp_path, monkeypatch):
+def test_build_stage_on_a_trtllm_without_engines_points_to_the_llmapi_route(tiny_llama_dir, tmp_path, monkeypatch):
     build = _build_dir_with_convert(tmp_path, tiny_llama_dir)
-    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.2.1")
+    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.4.0")
     monkeypatch.setattr(trt_build, "run_plan", lambda *a: pytest.fail("must not run trtllm-build"))
     plan = json.loads((trt_build.run(build) / trt_build.PLAN).read_text())
     assert plan["engines_built"] is False and "--route llmapi" in plan["host"]
@@ -187,11 +186,12 @@ def test_build_stage_where_a_gpu_host_would_run_trtllm_build(tiny_llama_dir, tmp
 def test_build_command_says_engines_were_not_built_here(tiny_llama_dir, tmp_path):
     """The real CLI on this host: exit 0, plan + script written, a plain statement, no engine."""
     build = _build_dir_with_convert(tmp_path, tiny_llama_dir)
+    if trt_build.host_can_build()[0]:
+        pytest.skip("this host has TensorRT-LLM and a GPU, so the stage builds engines here "
+                    "(test_build_stage_where_a_gpu_host_would_run_trtllm_build covers that path)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "specdeploy", "build", "--build-dir", str(build.root)],
                           capture_output=True, text=True, env=env, timeout=300)
-    if trt_build.host_can_build()[0]:
-        pytest.fail("this test describes a host without TensorRT-LLM or GPU; this host has both")
     assert done.returncode == 0, done.stderr
     assert "engines were NOT built on this host" in done.stdout and "build_engines.sh" in done.stdout
     plan = json.loads((build.path("engines") / trt_build.PLAN).read_text())

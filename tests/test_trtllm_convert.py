@@ -4,7 +4,7 @@
 - an independent oracle, ModelOpt's own export_tensorrt_llm_checkpoint (the exporter NVIDIA ships
   for TRT-LLM), writes the same tensors under the same names for the same tp/pp;
 - every config.json field is one TRT-LLM's config classes read (field sets in formats.py, read
-  from tensorrt_llm/models/{modeling_utils,llama/config,qwen/config,medusa/config,eagle/config}.py);
+  from tensorrt_llm/models/{modeling_utils,llama/config,qwen/config,medusa/config}.py);
 - forbidden combinations fail with a clear error.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -47,11 +48,6 @@ def _check_fields(config: dict) -> None:
     allowed = formats.PRETRAINED_CONFIG_FIELDS | family
     if config["architecture"] == "MedusaForCausalLM":
         allowed |= formats.MEDUSA_FIELDS
-    if config["architecture"] == "EagleForCausalLM":
-        allowed |= formats.EAGLE_FIELDS
-        net = config["eagle_net_config"]
-        assert set(net) <= formats.EAGLE_NET_FIELDS, set(net) - formats.EAGLE_NET_FIELDS
-        assert net["quantization"] == {"quant_algo": None, "kv_cache_quant_algo": None}
     assert set(config) <= allowed, set(config) - allowed
     required = {"architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                 "mapping", "quantization", "position_embedding_type"}
@@ -227,104 +223,20 @@ def test_medusa_names_match_modelopt_trtllm_export(tiny_llama_dir, tmp_path, med
         assert torch.equal(theirs[k], ours[k].half()), k
 
 
-# ------------------------------------------------------------------------------- EAGLE
+# -------------------------------------------------------------------- what the engine flow refuses
 
-EAGLE1_CFG = {
-    "eagle_use_torch_compile": False,
-    "eagle_architecture_config": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                                  "intermediate_size": 96, "use_aux_hidden_state": False, "use_last_layernorm": False,
-                                  "torch_dtype": "float32"},
-}
-
-
-def _eagle_model(base: Path, cfg: dict, engine_layout: bool = True):
-    """A ModelOpt EAGLE model; engine_layout drops layer 0's input norm, as TRT-LLM's EagleNet has none."""
-    import modelopt.torch.speculative as mtsp
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    mtsp.convert(model, [("eagle", json.loads(json.dumps(cfg)))])
-    if engine_layout:
-        model.eagle_module.layers[0].input_layernorm = torch.nn.Identity()
-    return model.eval()
-
-
-def _write_spec(path: Path, model, cfg: dict, choices) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")}, str(path / "module.safetensors"))
-    (path / "spec_config.json").write_text(json.dumps({"kind": "eagle", "modelopt_config": cfg, "choices": choices}))
-    return path
-
-
-@pytest.fixture(scope="module")
-def eagle_spec(tiny_llama_dir, tmp_path_factory):
-    torch.manual_seed(11)
-    model = _eagle_model(tiny_llama_dir, EAGLE1_CFG)
-    for p in model.eagle_module.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    choices = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
-    return _write_spec(tmp_path_factory.mktemp("eagle_spec"), model, EAGLE1_CFG, choices), model
-
-
-def _draft(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    seen: list[torch.Tensor] = []
-    hook = model.eagle_module.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
-    try:
-        _, draft = model.pseudo_speculative_generate(IDS, steps=3)
-    finally:
-        hook.remove()
-    return draft, seen
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_eagle_round_trip_reproduces_draft_logits(tiny_llama_dir, tmp_path, eagle_spec, tp):
-    spec_dir, source = eagle_spec
-    convert_all(tiny_llama_dir, tmp_path, tp=tp, spec=load_spec(spec_dir))
-    config = _config(tmp_path)
-    _check_fields(config)
-    # depth 3; non-leaves per depth: {0,1} at depth 1, {0,0} at depth 2 -> 2; 6 nodes
-    assert (config["architecture"], config["num_eagle_layers"], config["max_non_leaves_per_layer"], config["max_draft_len"]) == ("EagleForCausalLM", 3, 2, 6)
-    assert config["eagle_net_config"]["mapping"]["tp_size"] == tp
-    rank = load_file(str(tmp_path / "target" / "rank0.safetensors"))
-    assert {f"eagle_nets.{i}.lm_head.weight" for i in range(3)} <= set(rank)
-    assert "eagle_nets.0.drafter.layers.0.input_layernorm.weight" not in rank  # the engine has none there
-    layout = read_checkpoint(tmp_path / "target")
-    rebuilt = _eagle_model(tiny_llama_dir, EAGLE1_CFG)
-    rebuilt.load_state_dict({**layout.tensors, **layout.module}, strict=True)
-    (want_tokens, want), (got_tokens, got) = _draft(source), _draft(rebuilt)
-    assert torch.equal(want_tokens, got_tokens) and len(want) == 3
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-
-
-def test_eagle_identity_fc_passes_hidden_states_through_exactly(tiny_llama_dir, tmp_path, eagle_spec):
-    """TRT-LLM's EagleNet computes fc(concat([embedding, hidden])); the fc written for a ModelOpt
-    module without one must return `hidden` bit for bit (llama/model.py fc_after_embed)."""
-    spec_dir, _ = eagle_spec
-    convert_all(tiny_llama_dir, tmp_path, spec=load_spec(spec_dir))
-    rank = load_file(str(tmp_path / "target" / "rank0.safetensors"))
-    w, b = rank["eagle_nets.0.drafter.fc.weight"], rank["eagle_nets.0.drafter.fc.bias"]
-    emb = rank["eagle_nets.0.drafter.vocab_embedding.weight"][IDS[0]]
-    hidden = torch.randn(IDS.shape[1], 64)
-    assert w.shape == (64, 128) and torch.equal(torch.nn.functional.linear(torch.cat([emb, hidden], -1), w, b), hidden)
-
-
-@pytest.mark.parametrize("arch, reason", [
-    ({"use_aux_hidden_state": True, "use_last_layernorm": True}, "EAGLE-3 module"),
-    ({"use_aux_hidden_state": False, "use_last_layernorm": True}, "final norm"),
+@pytest.mark.parametrize("kind, reason", [
+    ("eagle", "EAGLE-1/2 (EagleForCausalLM) only"),
+    ("ngram", "nothing in the Triton engine repository supplies them"),
 ])
-def test_eagle3_and_unmappable_modules_are_refused(tiny_llama_dir, tmp_path, arch, reason):
-    cfg = json.loads(json.dumps(EAGLE1_CFG))
-    cfg["eagle_architecture_config"].update(arch)
-    model = _eagle_model(tiny_llama_dir, cfg, engine_layout=False)
-    spec = _write_spec(tmp_path / "spec", model, cfg, [[0], [0, 0]])
-    with pytest.raises(SpecDeployError, match=reason) as err:
-        convert_all(tiny_llama_dir, tmp_path / "out", spec=load_spec(spec))
-    assert "--route llmapi" in str(err.value) and "input_layernorm" in str(err.value)
+def test_engine_flow_refuses_what_it_would_serve_wrongly(tiny_llama_dir, tmp_path, kind, reason):
+    from specdeploy.trtllm.convert import SpecInput
+    from specdeploy.trtllm.specmodules import EngineFlowUnsupported
 
-
-def test_eagle_with_pipeline_parallelism_is_refused(tiny_llama_dir, tmp_path, eagle_spec):
-    with pytest.raises(SpecDeployError, match="EAGLE does not support pipeline parallelism"):
-        convert_all(tiny_llama_dir, tmp_path, pp=2, spec=load_spec(eagle_spec[0]))
+    with pytest.raises(EngineFlowUnsupported, match=re.escape(reason)) as err:
+        convert_all(tiny_llama_dir, tmp_path, spec=SpecInput(kind=kind))
+    assert "--route llmapi" in err.value.hint
+    assert not (tmp_path / "target").exists()
 
 
 # ------------------------------------------------------------------------- draft-target

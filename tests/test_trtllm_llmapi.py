@@ -1,10 +1,11 @@
-"""The TRT-LLM >= 1.2 route: speculative_config YAML for trtllm-serve and Triton's llmapi
-model.yaml (keys from TRT-LLM docs/source/features/speculative-decoding.md and
-triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml, see specdeploy/trtllm/llmapi.py)."""
+"""The LLM-API route (TensorRT-LLM >= 1.2): every speculative_config it writes, checked against
+the field sets of each release line it names (read from llm_args.py, sources and commits in
+specdeploy/trtllm/formats.py), the combinations it refuses and why, and the EAGLE-3 draft folder."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,41 +14,13 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.trtllm import convert, llmapi
+from specdeploy.manifest import BuildDir
+from specdeploy.trtllm import convert, formats, llmapi
+from specdeploy.trtllm.llmapi import DraftStructure
 
-MODEL_YAML_KEYS = {"model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "triton_config"}
-
-
-def test_speculative_configs_per_kind(tmp_path):
-    draft = llmapi.speculative_config("draft", 5, tmp_path / "draft")
-    assert draft == {"decoding_type": "DraftTarget", "max_draft_len": 5, "speculative_model_dir": str(tmp_path / "draft")}
-    ngram = llmapi.speculative_config("ngram", 3, ngram={"max_matching_ngram_size": 2})
-    assert ngram["decoding_type"] == "NGram" and ngram["max_matching_ngram_size"] == 2 and ngram["is_keep_all"] is True
-    assert "speculative_model_dir" not in ngram
-    assert llmapi.speculative_config("eagle", 4, tmp_path)["decoding_type"] == "Eagle3"
-
-
-@pytest.mark.parametrize("kind", ["medusa", "none"])
-def test_kinds_without_llmapi_support_are_refused(kind):
-    with pytest.raises(SpecDeployError, match="no speculative decoding") as err:
-        llmapi.speculative_config(kind, 4)
-    assert "engine flow" in err.value.hint
-
-
-def test_draft_target_yaml_and_model_yaml(tiny_llama_dir, tiny_draft_dir, tmp_path):
-    spec = convert.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=3)
-    llmapi.write_llmapi(tiny_llama_dir, tmp_path, spec=spec, tp=2)
-    options = yaml.safe_load((tmp_path / "speculative_config.yaml").read_text())
-    assert options == {"speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 3,
-                                              "speculative_model_dir": str(Path(tiny_draft_dir).resolve())},
-                       "disable_overlap_scheduler": True}
-    model = yaml.safe_load((tmp_path / "model.yaml").read_text())
-    assert MODEL_YAML_KEYS <= set(model)
-    assert model["backend"] == "pytorch" and model["tensor_parallel_size"] == 2 and model["model"] == str(Path(tiny_llama_dir).resolve())
-    assert model["speculative_config"] == options["speculative_config"]
-    assert model["triton_config"] == {"max_batch_size": 0, "decoupled": True}
-
-
+RELEASES = list(formats.RELEASES.values())
+CHAIN = DraftStructure.make("chain", 4)
+DYNAMIC = DraftStructure.make("dynamic", 3, topk=2, total=5)
 EAGLE3_CFG = {
     "eagle_use_torch_compile": False,
     "eagle_architecture_config": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -56,70 +29,170 @@ EAGLE3_CFG = {
 }
 
 
-def test_eagle3_draft_folder_and_yaml(tiny_llama_dir, tmp_path):
-    """The EAGLE-3 module ModelOpt trains goes the LLM-API way: ModelOpt's own draft export + Eagle3."""
+def check_fields(config: dict, release: formats.Release) -> None:
+    """What TRT-LLM's StrictBaseModel would do: refuse any key the release's config class lacks."""
+    assert config["decoding_type"] in formats.DECODING_TYPES.values()
+    assert set(config) <= release.fields(config["decoding_type"]), set(config) - release.fields(config["decoding_type"])
+    assert "eagle_choices" not in config  # discouraged in 1.2, deprecated in 1.3, removed in 1.4
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=lambda r: r.name)
+def test_every_config_fits_the_release_it_names(release):
+    configs = [
+        llmapi.speculative_config("eagle", CHAIN, release, draft="$BUILD_DIR/d", layers_to_capture=[3, 1, 26]),
+        llmapi.speculative_config("draft", CHAIN, release, draft="$BUILD_DIR/trtllm_ckpt/draft_model"),
+        llmapi.speculative_config("ngram", CHAIN, release),
+    ]
+    if release.dynamic_tree:
+        configs.append(llmapi.speculative_config("eagle", DYNAMIC, release, draft="/d", layers_to_capture=[1]))
+    for config in configs:
+        check_fields(config, release)
+    eagle, draft, ngram = configs[:3]
+    assert eagle == {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "$BUILD_DIR/d",
+                     "eagle3_layers_to_capture": [1, 3, 26]}  # explicit: TRT-LLM's default set collapses on shallow bases
+    assert draft == {"decoding_type": "Draft_Target", "max_draft_len": 4, "speculative_model": "$BUILD_DIR/trtllm_ckpt/draft_model"}
+    assert ngram == {"decoding_type": "NGram", "max_draft_len": 4, **llmapi.NGRAM_DEFAULTS}
+    assert llmapi.llm_options(ngram)["disable_overlap_scheduler"] is True
+    assert "disable_overlap_scheduler" not in llmapi.llm_options(eagle)
+
+
+def test_dynamic_tree_only_where_the_release_has_it():
+    config = llmapi.speculative_config("eagle", DYNAMIC, formats.RELEASES[(1, 3)], draft="/d", layers_to_capture=[1])
+    assert (config["use_dynamic_tree"], config["dynamic_tree_max_topK"], config["max_total_draft_tokens"], config["max_draft_len"]) == (True, 2, 5, 3)
+    with pytest.raises(SpecDeployError, match="1.2 has no EAGLE-3 dynamic tree") as err:
+        llmapi.speculative_config("eagle", DYNAMIC, formats.RELEASES[(1, 2)], draft="/d")
+    assert "--trtllm-version 1.3" in err.value.hint
+    with pytest.raises(SpecDeployError, match="EAGLE-3 only"):
+        llmapi.speculative_config("ngram", DYNAMIC, formats.RELEASES[(1, 3)])
+    # TRT-LLM's bounds: max_draft_len <= max_total_draft_tokens <= topK * max_draft_len
+    with pytest.raises(SpecDeployError, match=r"outside \[max_draft_len 3, topK \* max_draft_len 6\]"):
+        DraftStructure.make("dynamic", 3, topk=2, total=7)
+    assert DraftStructure.make("dynamic", 3, topk=2).total == 6  # min(10, topK * depth)
+
+
+def test_release_lines_as_read():
+    assert formats.RELEASES[(1, 2)].static_tree == "discouraged" and not formats.RELEASES[(1, 2)].dynamic_tree
+    assert formats.RELEASES[(1, 3)].static_tree == "deprecated" and formats.RELEASES[(1, 3)].dynamic_tree
+    assert "eagle_choices" not in formats.RELEASES[(1, 4)].eagle_fields  # PR #18210
+    assert formats.llmapi_release("1.2.0rc6").name == "1.2" and formats.llmapi_release("1.1.0") is None
+    assert formats.llmapi_release(formats.DEFAULT_TRTLLM_VERSION).name == "1.2"
+    with pytest.raises(SpecDeployError, match="1.5.0 was not checked"):
+        formats.llmapi_release("1.5.0")
+    assert [formats.has_engine_flow(v) for v in ("0.15.0", "1.2.1", "1.3.0rc4", "1.4.0", "0.14.0")] == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("kind, quant, release, reason", [
+    ("medusa", None, (1, 3), "no medusa speculative decoding"),
+    ("none", "W8A8_SQ_PER_CHANNEL", (1, 2), "no INT8 SmoothQuant"),
+    ("eagle", None, None, "needs TensorRT-LLM >= 1.2"),
+])
+def test_refused_combinations_give_their_reason(kind, quant, release, reason):
+    assert reason in llmapi.refusal(kind, quant, formats.RELEASES.get(release))
+    assert llmapi.refusal("eagle", "FP8", formats.RELEASES[(1, 2)]) is None
+
+
+def test_int8_sq_goes_to_the_engine_flow_and_is_refused_on_the_llm_api(tiny_llama_dir, tmp_path):
+    model = tmp_path / "sq"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W8A8_SQ_PER_CHANNEL"}}))
+    with pytest.raises(SpecDeployError, match="no INT8 SmoothQuant"):
+        convert.convert_routes(model, tmp_path / "out", convert.load_spec(None), route="llmapi")
+
+
+def test_draft_target_carries_its_draft_model_in_the_build(tiny_llama_dir, tiny_draft_dir, tmp_path):
+    spec = convert.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=3)
+    summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, route="llmapi", root=tmp_path)
+    options = yaml.safe_load((tmp_path / "out" / "llmapi" / "speculative_config.yaml").read_text())
+    assert options == {"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 3,
+                                              "speculative_model": "$BUILD_DIR/out/draft_model"},
+                       "disable_overlap_scheduler": True}
+    assert summary["draft_model"] == "$BUILD_DIR/out/draft_model" and summary["engine_flow"] is False
+    assert (tmp_path / "out" / "draft_model" / "model.safetensors").read_bytes() == (tiny_draft_dir / "model.safetensors").read_bytes()
+    assert summary["llmapi"]["structure"] == {"mode": "chain", "max_draft_len": 3}
+
+
+def _eagle3_spec(base: Path, out: Path) -> dict[str, torch.Tensor]:
     import modelopt.torch.speculative as mtsp
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     mtsp.convert(model, [("eagle", json.loads(json.dumps(EAGLE3_CFG)))])
     torch.manual_seed(5)
     for p in model.eagle_module.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    spec_dir = tmp_path / "spec"
-    spec_dir.mkdir()
+    out.mkdir(parents=True, exist_ok=True)
     module = {k: v.contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")}
-    save_file(module, str(spec_dir / "module.safetensors"))
-    (spec_dir / "spec_config.json").write_text(json.dumps({"kind": "eagle", "modelopt_config": EAGLE3_CFG, "choices": [[0], [1], [0, 0], [0, 0, 0]]}))
-    spec = convert.load_spec(spec_dir)
-    with pytest.raises(SpecDeployError, match="EAGLE-3"):  # the engine flow refuses it ...
-        convert.convert_all(tiny_llama_dir, tmp_path / "engine", spec=spec)
-    summary = llmapi.write_llmapi(tiny_llama_dir, tmp_path / "llmapi", spec=spec, spec_dir=spec_dir, base_dir=tiny_llama_dir)  # ... this route takes it
-    draft = tmp_path / "llmapi" / "eagle3_draft"
-    # TRT-LLM's EagleDecodingConfig: max_draft_len = draft layers (tree depth), max_total_draft_tokens = nodes
-    assert summary["speculative_config"] == {
-        "decoding_type": "Eagle3", "max_draft_len": 3, "eagle_choices": [[0], [1], [0, 0], [0, 0, 0]],
-        "max_total_draft_tokens": 4, "speculative_model_dir": str(draft.resolve())}
-    config = json.loads((draft / "config.json").read_text())
-    assert "Eagle3" in config["architectures"][0]
-    exported = load_file(str(next(draft.glob("*.safetensors"))))
-    fc = [k for k in exported if k.endswith("fc.weight")]
-    assert fc and torch.equal(exported[fc[0]], module["eagle_module.fc.weight"])  # the trained weights, not a fresh init
-    options = yaml.safe_load((tmp_path / "llmapi" / "speculative_config.yaml").read_text())
-    assert options == {"speculative_config": summary["speculative_config"]}
+    save_file(module, str(out / "module.safetensors"))
+    (out / "spec_config.json").write_text(json.dumps({"kind": "eagle", "modelopt_config": EAGLE3_CFG, "choices": [[0], [0, 0]]}))
+    return module
+
+
+def test_eagle3_draft_folder_takes_the_form_every_loader_accepts(tiny_llama_dir, tmp_path):
+    module = _eagle3_spec(tiny_llama_dir, tmp_path / "spec")
+    spec = convert.load_spec(tmp_path / "spec")
+    with pytest.raises(SpecDeployError, match="EAGLE-1/2 \\(EagleForCausalLM\\) only"):  # no engine flow for it ...
+        convert.convert_routes(tiny_llama_dir, tmp_path / "engine", spec, route="engine")
+    summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, spec_dir=tmp_path / "spec",
+                                     base_dir=tiny_llama_dir, root=tmp_path)  # ... this route takes it
+    config = summary["llmapi"]["speculative_config"]
+    check_fields(config, formats.RELEASES[(1, 2)])
+    assert config == {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "$BUILD_DIR/out/llmapi/eagle3_draft",
+                      "eagle3_layers_to_capture": [0, 1]}
+    draft = tmp_path / "out" / "llmapi" / "eagle3_draft"
+    exported = load_file(str(draft / "model.safetensors"))
+    assert {k for k in exported if k.startswith("midlayer.")} and not any(k.startswith("layers.") for k in exported)
+    assert torch.equal(exported["fc.weight"], module["eagle_module.fc.weight"])  # the trained weights, not a fresh init
+    assert torch.equal(exported["midlayer.hidden_norm.weight"], module["eagle_module.layers.0.hidden_norm.weight"])
+    draft_config = json.loads((draft / "config.json").read_text())
+    assert "Eagle3" in draft_config["architectures"][0]
+    assert draft_config["rope_scaling"] is None  # the plain RoPE it was trained with, not ModelOpt's injected YaRN
+    assert summary["engine_flow"] is False and "EAGLE-1/2" in summary["engine_reason"]
 
 
 def test_pipeline_stages_with_an_eagle3_module(tiny_llama_dir, tmp_path):
     """convert (auto route) + build on a build directory whose spec stage trained EAGLE-3: no engine
     flow (said plainly, in the summary, the plan and the script), the LLM-API files instead."""
-    import shutil
     import subprocess
 
-    import modelopt.torch.speculative as mtsp
-    from transformers import LlamaForCausalLM
-
-    from specdeploy.manifest import BuildDir
     from specdeploy.trtllm import build as trt_build
 
     build = BuildDir(tmp_path / "b")
     with build.stage("resolve", "base", {}) as tmp:
         for f in Path(tiny_llama_dir).iterdir():
             shutil.copy(f, tmp / f.name)
-    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    mtsp.convert(model, [("eagle", json.loads(json.dumps(EAGLE3_CFG)))])
     with build.stage("spec", "spec", {}, consumes=("resolve",)) as tmp:  # what the spec stage leaves behind
-        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k.startswith("eagle_module.")}, str(tmp / "module.safetensors"))
-        (tmp / "spec_config.json").write_text(json.dumps({"kind": "eagle", "modelopt_config": EAGLE3_CFG, "choices": [[0], [0, 0]]}))
-        llmapi.export_eagle3_draft(tiny_llama_dir, tmp, tmp / "eagle3_export")
-    out = convert.run(build, kind="eagle")
+        _eagle3_spec(tiny_llama_dir, tmp)
+        llmapi.export_eagle3(tiny_llama_dir, tmp, tmp / "eagle3_export")
+    out = convert.run(build, kind="eagle", max_draft_len=3)
     summary = json.loads((out / "convert_summary.json").read_text())
-    assert summary["engine_flow"] is False and "EAGLE-3" in summary["reason"] and not (out / "target").exists()
+    assert summary["engine_flow"] is False and "EAGLE-3" in summary["engine_reason"] and not (out / "target").exists()
     options = yaml.safe_load((out / "llmapi" / "speculative_config.yaml").read_text())
-    assert options["speculative_config"]["decoding_type"] == "Eagle3"
-    assert options["speculative_config"]["speculative_model_dir"] == str((build.path("spec") / "eagle3_export").resolve())
+    assert options["speculative_config"]["speculative_model"] == "$BUILD_DIR/trtllm_ckpt/llmapi/eagle3_draft"
+    assert (out / "llmapi" / "eagle3_draft" / "config.json").exists() and options["speculative_config"]["max_draft_len"] == 3
     engines = trt_build.run(build)
     plan = json.loads((engines / trt_build.PLAN).read_text())
     assert plan["engine_flow"] is False and plan["commands"] == [] and plan["engines_built"] is False
     done = subprocess.run(["bash", str(engines / trt_build.SCRIPT)], capture_output=True, text=True)
     assert subprocess.run(["bash", "-n", str(engines / trt_build.SCRIPT)]).returncode == 0
-    assert done.returncode == 5 and "no TensorRT-LLM engine flow for this build: EAGLE module cannot" in done.stderr
+    assert done.returncode == 5 and "no TensorRT-LLM engine flow for this build: the engine flow runs EAGLE-1/2" in done.stderr
+
+
+def test_a_build_without_any_route_says_why_for_each(tiny_llama_dir, tmp_path):
+    spec_dir = tmp_path / "spec"
+    _eagle3_spec(tiny_llama_dir, spec_dir)
+    summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", convert.load_spec(spec_dir), trtllm_version="1.1.0")
+    assert summary["engine_flow"] is False and summary["llmapi"] is None
+    assert "EAGLE-1/2" in summary["engine_reason"] and "needs TensorRT-LLM >= 1.2" in summary["llmapi_reason"]
+    with pytest.raises(SpecDeployError, match="needs TensorRT-LLM >= 1.2"):  # insisting on a route it lacks
+        convert.convert_routes(tiny_llama_dir, tmp_path / "x", convert.load_spec(spec_dir), route="llmapi", trtllm_version="1.1.0")
+
+
+def test_a_quantized_module_from_quantize_spec_is_refused_with_the_reason(tiny_llama_dir, tmp_path):
+    model = tmp_path / "quantized"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "spec").mkdir()
+    (model / "spec" / "spec_config.json").write_text(json.dumps({"kind": "eagle", "quantization": {"quant_algo": "FP8"}}))
+    with pytest.raises(SpecDeployError, match="could not be confirmed") as err:
+        convert.refuse_quantized_spec(model)
+    assert "without --quantize-spec" in err.value.hint
+    convert.refuse_quantized_spec(tiny_llama_dir)  # no quantized module: nothing to refuse

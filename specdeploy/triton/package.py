@@ -1,13 +1,21 @@
 """Stage `package`: fill the project's Triton templates into build/<name>/triton_repo/.
 
-Three model repositories, side by side, all generated from `triton_repo/` at the project root:
+Model repositories, side by side, all generated from `triton_repo/` at the project root; the
+GPU ones only for the routes the build really has (convert_summary.json says which):
 
     triton_repo/cpu/      ensemble + preprocessing + postprocessing + tensorrt_llm (Python backend
                           running specdeploy's runtime: what `specdeploy serve` serves here)
-    triton_repo/engine/   the same ensemble with the C++ tensorrtllm backend on TensorRT engines
-                          (TRT-LLM <= 1.1), plus tensorrt_llm_bls (and tensorrt_llm_draft for
-                          draft-target)
-    triton_repo/llmapi/   TensorRT-LLM >= 1.2: the llmapi model and its model.yaml
+    triton_repo/engine/   the engine flow (TensorRT-LLM 0.15-1.3.x, C++ tensorrtllm backend):
+                          base, Medusa, draft-target (tensorrt_llm_bls + tensorrt_llm_draft)
+    triton_repo/llmapi/   the LLM API (TensorRT-LLM >= 1.2): the llmapi model and its model.yaml
+                          (+ trtllm_serve.yaml for `trtllm-serve --config`)
+    triton_repo/gpu_routes.json   which GPU routes exist, which to run, and what a GPU host needs
+
+Paths: the CPU repository names files relative to each model's folder (served here, wherever the
+build sits); the GPU ones as `$BUILD_DIR/...` (trtllm/hostpaths.py), resolved by
+build_scripts/gpu_host.sh where the build is mounted. The CPU deployment drafts with the same
+structure (chain, dynamic tree, Medusa tree) as the GPU configs, so what is measured here
+predicts the GPU host.
 
 Templates use `${name}` placeholders like TensorRT-LLM's own; one filler (string.Template) fills
 them. A placeholder left inside a `string_value: "${...}"` parameter is how the tensorrtllm
@@ -17,6 +25,7 @@ backend spells "unset", so those may stay; any other one left is an error.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -25,24 +34,30 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+import yaml
+
 from specdeploy.choices import ChoicesTree, validate_choices
+from specdeploy.device import check_device_spec
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.trtllm import llmapi
+from specdeploy.trtllm.build import PLAN, BuildLimits
+from specdeploy.trtllm.hostpaths import build_path, resolve
+from specdeploy.trtllm.llmapi import DraftStructure
 
 STAGE = "package"
 OUT = "triton_repo"
+ROUTES_FILE = "gpu_routes.json"
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
-FLAVORS = ("cpu", "engine", "llmapi")
 SERVE_DTYPES = ("auto", "float32", "float64", "bfloat16")
 ADAPTIVE_HELP = ("CPU deployment: fall back to plain decoding while speculation does not pay (faster on a CPU "
                  "with a weak module); default off: speculate every step, as TensorRT-LLM does")
 _UPSTREAM = ("resolve", "spec", "quantize", "convert", "build")
 _UNSET_PARAM = re.compile(r'string_value:\s*"\$\{\w+\}"')
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
-# decoding_mode of the tensorrtllm backend per spec kind (draft-target is driven by BLS instead)
-_DECODING_MODE = {"medusa": "medusa", "eagle": "eagle"}
-# TRT-LLM >= 1.2 (PyTorch backend) speculative_config.decoding_type; Medusa is not supported there
+LLMAPI_CONTAINER_DIR = "/app/all_models/llmapi/tensorrt_llm/1"  # model.py + helpers.py (+ model.yaml, ours replaces it)
+BLS_CONTAINER_DIR = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,15 +96,13 @@ def backend_fill_args(values: dict[str, Any]) -> str:
 
 
 def _fill_model(out: Path, src: Path, values: dict[str, Any], rename: str | None = None) -> None:
-    """Copy one template model folder into `out`, filling config.pbtxt / model.yaml."""
+    """Copy one template model folder into `out`, filling its config.pbtxt."""
     shutil.copytree(src, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("config.pbtxt", "1/model.yaml"):
-        path = out / name
-        if path.exists():
-            text = fill(path.read_text(), values, source=str(src.relative_to(TEMPLATES) / name))
-            if rename:
-                text = text.replace(f'name: "{src.name}"', f'name: "{rename}"', 1)
-            atomic_write_text(path, text)
+    path = out / "config.pbtxt"
+    text = fill(path.read_text(), values, source=str(src.relative_to(TEMPLATES) / "config.pbtxt"))
+    if rename:
+        text = text.replace(f'name: "{src.name}"', f'name: "{rename}"', 1)
+    atomic_write_text(path, text)
     (out / "1").mkdir(exist_ok=True)
 
 
@@ -97,7 +110,7 @@ def _fill_model(out: Path, src: Path, values: dict[str, Any], rename: str | None
 # values
 
 
-def _common(tokenizer_dir: Path, max_batch_size: int, decoupled: bool) -> dict[str, Any]:
+def _common(tokenizer_dir: str, limits: BuildLimits, max_batch_size: int, decoupled: bool) -> dict[str, Any]:
     return {
         "triton_max_batch_size": max_batch_size,
         "decoupled_mode": decoupled,
@@ -114,16 +127,27 @@ def _common(tokenizer_dir: Path, max_batch_size: int, decoupled: bool) -> dict[s
         "accumulate_tokens": False,
         "exclude_input_in_output": True,
         "max_beam_width": 1,
+        # the same numbers trtllm-build gets (build.BuildLimits.fit): prompt and prompt + answer
+        "max_input_len": limits.max_input_len,
+        "max_output_len": limits.max_seq_len,
     }
 
 
-def _choices_values(kind: str, tree: ChoicesTree | None) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    if kind in _DECODING_MODE:
-        values["decoding_mode"] = _DECODING_MODE[kind]
-    if tree is not None and kind in ("medusa", "eagle"):
-        values[f"{kind}_choices"] = tree.to_pbtxt()
-    return values
+def instance_kind(device: str) -> str:
+    """The CPU repository's tensorrt_llm instance: KIND_GPU on an explicit CUDA device (Triton
+    then hands the model its GPU), KIND_CPU for cpu and auto (the model resolves auto at load)."""
+    if not device.startswith("cuda"):
+        return "KIND_CPU"
+    index = device.partition(":")[2]
+    return f"KIND_GPU gpus: [ {index} ]" if index else "KIND_GPU"
+
+
+def serving_limits(build: BuildDir, model_dir: Path) -> BuildLimits:
+    """The build stage's limits (already fitted to the model's context), else its defaults fitted
+    the same way: every repository declares what the engines were built for."""
+    plan = build.path("engines") / PLAN
+    limits = BuildLimits(**json.loads(plan.read_text())["limits"]) if build.record("build") and plan.exists() else BuildLimits()
+    return limits.fit(_read_context_len(model_dir))
 
 
 def _read_context_len(model_dir: Path) -> int | None:
@@ -135,105 +159,71 @@ def _read_context_len(model_dir: Path) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the three repositories
+# the repositories
 
 
-def write_cpu_repo(
-    out: Path, deployment: dict[str, Any], model_dir: Path, tokenizer_dir: Path, *, max_batch_size: int
-) -> None:
+def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, limits: BuildLimits, *,
+                   max_batch_size: int, tree: ChoicesTree | None) -> None:
     """Ensemble + pre/postprocessing + the Python-backend tensorrt_llm running the runtime."""
-    context = _read_context_len(model_dir) or 0
+    kind = deployment["spec"]["kind"]
     values = {
-        **_common(tokenizer_dir, max_batch_size, decoupled=True),
+        **_common(tokenizer_dir, limits, max_batch_size, decoupled=True),
         "triton_backend": "python",
-        "max_input_len": context,
-        "max_output_len": context,
+        "instance_kind": instance_kind(deployment["device"]),
         "specdeploy_deployment": "deployment.json",
         "batching_strategy": "specdeploy_cpu",
         "engine_dir": "",
-        **_choices_values(deployment["spec"]["kind"], _tree(deployment["spec"].get("choices"))),
+        **({"decoding_mode": "medusa", "medusa_choices": tree.to_pbtxt()} if kind == "medusa" and tree else {}),
     }
     ibl = TEMPLATES / "inflight_batcher_llm"
-    for model in ("ensemble", "preprocessing", "postprocessing"):
+    for model in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm"):
         _fill_model(out / model, ibl / model, values)
-    _fill_model(out / "tensorrt_llm", ibl / "tensorrt_llm", values)
     shutil.copytree(TEMPLATES / "cpu" / "tensorrt_llm", out / "tensorrt_llm", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__"))
     atomic_write_json(out / "tensorrt_llm" / "1" / "deployment.json", deployment)
 
 
-def write_engine_repo(
-    out: Path, kind: str, tree: ChoicesTree | None, engines: Path, tokenizer_dir: Path, *,
-    max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool,
-) -> dict[str, Any]:
+def write_engine_repo(out: Path, kind: str, tree: ChoicesTree | None, engines: str, tokenizer_dir: str, limits: BuildLimits, *,
+                      max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool) -> dict[str, Any]:
     """The inflight_batcher_llm set for the C++ tensorrtllm backend; returns the values used."""
-    target = engines / "target"  # the build stage writes engines/target (+ engines/draft)
     values = {
-        **_common(tokenizer_dir, max_batch_size, decoupled),
+        **_common(tokenizer_dir, limits, max_batch_size, decoupled),
         "triton_backend": "tensorrtllm",
+        "instance_kind": "KIND_CPU",  # as upstream: the C++ backend places the engine on its GPUs itself
         "batching_strategy": "inflight_fused_batching",
-        "engine_dir": target,
+        "engine_dir": f"{engines}/target",  # the build stage writes engines/target (+ engines/draft)
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
         # draft-target needs the target's KV cache reused across the BLS calls of one request
         "enable_kv_cache_reuse": kind == "draft",
         "tensorrt_llm_model_name": "tensorrt_llm",
         "tensorrt_llm_draft_model_name": "tensorrt_llm_draft" if kind == "draft" else "",
         "multimodal_encoders_name": "",
-        **_choices_values(kind, tree),
+        **({"decoding_mode": "medusa", "medusa_choices": tree.to_pbtxt()} if kind == "medusa" and tree else {}),
     }
     ibl = TEMPLATES / "inflight_batcher_llm"
     for model in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls"):
         _fill_model(out / model, ibl / model, values)
     if kind == "draft":
-        draft_values = {**values, "engine_dir": engines / "draft", "decoding_mode": "${decoding_mode}"}
+        draft_values = {**values, "engine_dir": f"{engines}/draft", "decoding_mode": "${decoding_mode}"}
         _fill_model(out / "tensorrt_llm_draft", ibl / "tensorrt_llm", draft_values, rename="tensorrt_llm_draft")
+    atomic_write_text(out / "fill_template_args.txt", backend_fill_args(values) + "\n")
     return values
 
 
-def llmapi_speculative_yaml(kind: str, spec_dir: Path, draft_model_dir: Path | None, max_draft_len: int,
-                            tree: ChoicesTree | None = None) -> str:
-    """model.yaml's speculative_config block (TRT-LLM >= 1.2 LLM API), '' without speculation.
-    The mapping itself comes from the convert stage's LLM-API route, so both write the same."""
-    from specdeploy.trtllm.llmapi import DECODING_TYPES, speculative_config
-
-    if kind not in DECODING_TYPES:
-        return ""
-    # EAGLE-3: the draft folder ModelOpt's export_speculative_decoding wrote in the spec stage
-    draft = {"draft": draft_model_dir, "eagle": spec_dir / "eagle3_export"}.get(kind)
-    config = speculative_config(kind, max_draft_len, draft, tree=tree)
-    return "\n".join(["speculative_config:"] + [f"  {key}: {value}" for key, value in config.items()])
-
-
-def write_llmapi_repo(
-    out: Path, kind: str, model_dir: Path, spec_dir: Path, draft_model_dir: Path | None, *, tree: ChoicesTree | None,
-    max_draft_len: int, max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool,
-) -> None:
-    values = {
-        "model_dir": model_dir,
-        "tensor_parallel_size": 1,
-        "max_batch_size": max_batch_size,
-        "max_seq_len": _read_context_len(model_dir) or 2048,
-        "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
-        "speculative_config": llmapi_speculative_yaml(kind, spec_dir, draft_model_dir, max_draft_len, tree),
-        "decoupled_mode": decoupled,
-    }
-    _fill_model(out / "tensorrt_llm", TEMPLATES / "llmapi" / "tensorrt_llm", values)
-
-
-def _tree(choices: Any) -> ChoicesTree | None:
-    return None if choices is None else validate_choices(choices)
-
-
-def _recorded_choices(spec_dir: Path, kind: str) -> list[list[int]] | None:
-    """The tree the spec stage trained for (spec/spec_config.json), when one was not given."""
-    config = spec_dir / "spec_config.json"
-    if kind not in ("medusa", "eagle") or not config.exists():
-        return None
-    return json.loads(config.read_text()).get("choices")
+def write_llmapi_repo(out: Path, model: str, summary: dict[str, Any], limits: BuildLimits, *, tp: int, pp: int,
+                      max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool) -> None:
+    """Triton's llmapi model: config.pbtxt + the one model.yaml (LLM() arguments from
+    llmapi.llm_args, the speculative part as convert wrote it), and trtllm_serve.yaml beside."""
+    _fill_model(out / "tensorrt_llm", TEMPLATES / "llmapi" / "tensorrt_llm", {})
+    args = llmapi.llm_args(summary.get("speculative_config"), tp=tp, pp=pp, max_batch_size=max_batch_size,
+                           max_seq_len=limits.max_seq_len, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction)
+    document = llmapi.model_yaml(model, args, decoupled=decoupled)
+    atomic_write_text(out / "tensorrt_llm" / "1" / "model.yaml", yaml.safe_dump(document, sort_keys=False))
+    atomic_write_text(out / "trtllm_serve.yaml", yaml.safe_dump(args, sort_keys=False))
 
 
 # ---------------------------------------------------------------------------------------------
-# the stage
+# the stage's inputs
 
 
 def _model_dir(build: BuildDir) -> Path:
@@ -248,24 +238,135 @@ def _tokenizer_dir(build: BuildDir, model_dir: Path) -> Path:
     return base if (base / "tokenizer_config.json").exists() else model_dir
 
 
-def deployment_json(
-    base: Path, model_dir: Path, dtype: str, kind: str, spec_dir: Path, *,
-    choices: list[list[int]] | None, max_draft_len: int, draft_model_dir: Path | None, adaptive: bool = False,
-) -> dict[str, Any]:
-    """What runtime.deployment.load_decoder reads. Paths are relative to the file's folder
-    (cpu/tensorrt_llm/1/), so the build directory can move as a whole."""
+def _convert_summary(build: BuildDir) -> dict[str, Any] | None:
+    path = build.path("trtllm_ckpt") / "convert_summary.json"
+    return json.loads(path.read_text()) if build.record("convert") is not None and path.exists() else None
+
+
+def _tree(choices: Any) -> ChoicesTree | None:
+    return None if choices is None else validate_choices(choices)
+
+
+def _medusa_tree(spec_dir: Path, choices: Any) -> ChoicesTree | None:
+    """The Medusa tree given, else the one the spec stage trained for (spec/spec_config.json)."""
+    config = spec_dir / "spec_config.json"
+    if choices is None and config.exists():
+        choices = json.loads(config.read_text()).get("choices")
+    return _tree(choices)
+
+
+def _structure(kind: str, converted: dict[str, Any] | None, max_draft_len: int | None) -> DraftStructure | None:
+    """The drafting the convert stage named for the GPU host (or, without one, a chain)."""
+    if kind in ("none", "medusa"):
+        return None
+    recorded = (converted or {}).get("structure")
+    if recorded is None:
+        return DraftStructure.make("chain", max_draft_len or 4)
+    structure = DraftStructure(**recorded)
+    if max_draft_len is not None and max_draft_len != structure.max_draft_len:
+        raise SpecDeployError(f"max_draft_len {max_draft_len} differs from the {structure.mode} of {structure.max_draft_len} "
+                              "the convert stage wrote for the GPU host",
+                              hint="re-run `specdeploy convert` with the same --max-draft-len (the CPU deployment must draft "
+                                   "as the GPU host does)")
+    return structure
+
+
+def _local(path: Path, base: Path, root: Path) -> str:
+    """deployment.json's paths: relative to its folder inside the build, absolute outside it."""
+    path = path.resolve()
+    return os.path.relpath(path, base) if root.resolve() in path.parents else str(path)
+
+
+def deployment_json(base: Path, root: Path, model_dir: Path, dtype: str, device: str, kind: str, spec_dir: Path, *,
+                    choices: list[list[int]] | None, options: dict[str, Any], draft_model_dir: Path | None,
+                    adaptive: bool = False) -> dict[str, Any]:
+    """What runtime.deployment.load_decoder reads. Paths inside the build are relative to the
+    file's folder (cpu/tensorrt_llm/1/), so the build directory can move as a whole. `device`
+    stays as given ("auto" resolves where the model loads, not where it was packaged)."""
     return {
-        "model_dir": os.path.relpath(model_dir, base),
+        "model_dir": _local(model_dir, base, root),
         "dtype": dtype,
+        "device": device,
         "spec": {
             "kind": kind,
-            "path": os.path.relpath(spec_dir, base) if spec_dir.exists() else None,
+            "path": _local(spec_dir, base, root) if kind in ("medusa", "eagle") and spec_dir.exists() else None,
             "choices": choices,
-            "max_draft_len": max_draft_len,
-            "draft_model_dir": os.path.relpath(draft_model_dir, base) if draft_model_dir else None,
+            "draft_model_dir": _local(draft_model_dir, base, root) if draft_model_dir else None,
             "adaptive": adaptive,
+            **options,
         },
     }
+
+
+def _cpu_options(kind: str, structure: DraftStructure | None, tree: ChoicesTree | None, converted: dict | None) -> dict[str, Any]:
+    if kind == "medusa":
+        return {"max_draft_len": tree.num_nodes if tree else None}
+    if structure is None:
+        return {}
+    options = structure.runtime_options(kind)
+    ngram = (((converted or {}).get("llmapi") or {}).get("speculative_config") or {})
+    if kind == "ngram":
+        options["max_ngram"] = ngram.get("max_matching_ngram_size", llmapi.NGRAM_DEFAULTS["max_matching_ngram_size"])
+    return options
+
+
+# ---------------------------------------------------------------------------------------------
+# routes
+
+
+def _routes(kind: str, converted: dict[str, Any] | None, structure: DraftStructure | None, settings: dict[str, Any]) -> dict[str, Any]:
+    """gpu_routes.json: the GPU routes this build has, the one to run, what each needs on the host."""
+    converted = converted or {}
+    world = converted.get("tp_size", 1) * converted.get("pp_size", 1)
+    routes: dict[str, Any] = {}
+    if converted.get("llmapi"):
+        routes["llmapi"] = {
+            "repo": f"{OUT}/llmapi", "model": "tensorrt_llm", "inputs": "llmapi", "stream": settings["decoupled"],
+            "world_size": world, "request": {},
+            "container_files": {"from": LLMAPI_CONTAINER_DIR, "to": "tensorrt_llm/1", "except": ["model.yaml"]},
+            "serve": f"trtllm-serve {converted['llmapi']['model']} --config $BUILD_DIR/{OUT}/llmapi/trtllm_serve.yaml",
+        }
+    if converted.get("engine_flow"):
+        bls = kind == "draft"  # draft-target runs in the BLS model: only with num_draft_tokens, never streaming
+        routes["engine"] = {
+            "repo": f"{OUT}/engine", "model": "tensorrt_llm_bls" if bls else "ensemble", "inputs": "ensemble",
+            "stream": settings["decoupled"] and not bls, "world_size": world,
+            "request": {"num_draft_tokens": structure.max_draft_len} if bls else {},
+            "container_files": {"from": BLS_CONTAINER_DIR, "to": "tensorrt_llm_bls/1", "except": []},
+            "build_engines": "engines/build_engines.sh",
+        }
+    recommended = next((r for r in ("llmapi", "engine") if r in routes), None)
+    return {
+        "trtllm_version": converted.get("trtllm_version"), "kind": kind, "recommended": recommended, "routes": routes,
+        "refused": {name: converted.get(f"{name}_reason") for name in ("engine", "llmapi") if name not in routes},
+        "structure": structure.as_dict() if structure else None,
+        "note": "paths are $BUILD_DIR/...: build_scripts/gpu_host.sh resolves them where the build is mounted",
+    }
+
+
+def gpu_routes(build: BuildDir) -> dict[str, Any]:
+    """The packaged build's gpu_routes.json (see _routes)."""
+    path = build.path(OUT) / ROUTES_FILE
+    if not path.exists():
+        raise SpecDeployError(f"{path} not found", hint="run `specdeploy package` (or `make engine`) first")
+    return json.loads(path.read_text())
+
+
+def gpu_summary(build: BuildDir) -> list[str]:
+    """What a GPU host should run for this build, one line each (for `make engine`'s summary)."""
+    routes = gpu_routes(build)
+    lines = []
+    if routes["recommended"]:
+        lines.append(f"GPU host (TensorRT-LLM {routes['trtllm_version']}): build_scripts/gpu_host.sh {build.root} "
+                     f"(route {routes['recommended']}: {', '.join(routes['routes'])} packaged in {build.path(OUT)})")
+    else:
+        lines.append("No TensorRT-LLM route for this build: nothing to run on a GPU host")
+    lines += [f"no {name} route: {why}" for name, why in routes["refused"].items() if why]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage
 
 
 def run(
@@ -277,6 +378,7 @@ def run(
     draft_model_dir: str | Path | None = None,
     dtype: str = "auto",
     adaptive: bool = False,
+    device: str = "auto",
     max_batch_size: int = 64,
     cpu_max_batch_size: int = 4,
     kv_cache_free_gpu_mem_fraction: float = 0.9,
@@ -284,59 +386,81 @@ def run(
 ) -> Path:
     """Write build/<name>/triton_repo/{cpu,engine,llmapi}; skipped when already complete.
 
-    `choices` defaults to the tree recorded by the spec stage (spec/spec_config.json);
-    `max_draft_len` to that tree's size, else 4 draft tokens (draft-target, n-gram).
-    `dtype` "auto" is the CPU runtime dtype in which greedy parity is exact (quantize.parity_dtype).
-    `adaptive`: the CPU runtime falls back to plain decoding while speculation does not pay; off by
-    default, so that the CPU deployment speculates as TensorRT-LLM does and shows the module's
-    own acceptance."""
+    The GPU routes and the draft structure come from the convert stage (convert_summary.json);
+    `choices` is a Medusa tree (default: the one the spec stage recorded); EAGLE drafts the chain
+    or dynamic tree convert named, never a static tree. `dtype` "auto" is the CPU runtime dtype in
+    which greedy parity is exact (quantize.loader.parity_dtype). `device` is where the CPU deployment
+    computes (auto|cpu|cuda|cuda:N, stored as given). `adaptive`: the CPU runtime falls back to
+    plain decoding while speculation does not pay; off by default, as TensorRT-LLM speculates."""
+    if spec == "eagle" and choices is not None:
+        raise SpecDeployError("EAGLE deploys as a chain or TensorRT-LLM's dynamic tree, not a static eagle_choices tree "
+                              "(discouraged in TensorRT-LLM 1.2, deprecated in 1.3, removed in 1.4)",
+                              hint="drop --choices; pick the structure with `specdeploy convert --eagle-tree chain|dynamic`")
     tree = _tree(choices)  # a bad tree fails before anything else
+    device = check_device_spec(device)
     model_dir = _model_dir(build)
     if dtype == "auto":
-        from specdeploy.quantize import parity_dtype
+        from specdeploy.quantize.loader import parity_dtype
 
         dtype = parity_dtype(model_dir)
     spec_dir = build.path("spec").resolve()
-    tree = tree or _tree(_recorded_choices(spec_dir, spec))
-    max_draft_len = max_draft_len or (tree.num_nodes if tree else 4)
-    draft = Path(draft_model_dir).resolve() if draft_model_dir else (spec_dir if spec == "draft" else None)
+    if spec == "medusa":
+        tree = tree or _medusa_tree(spec_dir, None)
+    converted = _convert_summary(build)
+    structure = _structure(spec, converted, max_draft_len)
+    draft = _draft_dir(spec, converted, draft_model_dir, spec_dir, build.root)
     settings = {
-        "spec": spec, "choices": tree.to_list() if tree else None, "max_draft_len": max_draft_len,
-        "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "adaptive": adaptive, "max_batch_size": max_batch_size,
-        "cpu_max_batch_size": cpu_max_batch_size, "decoupled": decoupled,
-        "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
-        "templates": _templates_digest(),
+        "spec": spec, "choices": tree.to_list() if tree else None, "structure": structure.as_dict() if structure else None,
+        "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "device": device, "adaptive": adaptive,
+        "max_batch_size": max_batch_size, "cpu_max_batch_size": cpu_max_batch_size, "decoupled": decoupled,
+        "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction, "templates": _templates_digest(),
     }
     consumes = tuple(s for s in _UPSTREAM if build.record(s) is not None)
     if build.completed(STAGE, settings, consumes=consumes):
         return build.path(OUT)
     with build.stage(STAGE, OUT, settings, consumes=consumes) as tmp:
-        _write_repos(tmp, build, model_dir, spec_dir, tree, draft, settings)
+        _write_repos(tmp, build, model_dir, spec_dir, tree, structure, converted, draft, settings)
     return build.path(OUT)
 
 
-def _write_repos(
-    tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tree: ChoicesTree | None,
-    draft: Path | None, settings: dict[str, Any],
-) -> None:
-    kind = settings["spec"]
-    tokenizer_dir = _tokenizer_dir(build, model_dir)
+def _draft_dir(kind: str, converted: dict | None, given: str | Path | None, spec_dir: Path, root: Path) -> Path | None:
+    """The draft model both sides run: the copy convert put in the build, else the one given."""
+    if kind != "draft":
+        return None
+    carried = (converted or {}).get("draft_model")
+    if carried:
+        return Path(resolve(carried, root))
+    return Path(given).resolve() if given else spec_dir
+
+
+def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tree: ChoicesTree | None,
+                 structure: DraftStructure | None, converted: dict[str, Any] | None, draft: Path | None,
+                 settings: dict[str, Any]) -> None:
+    kind, root = settings["spec"], build.root.resolve()
+    tokenizer = _tokenizer_dir(build, model_dir)
+    limits = serving_limits(build, model_dir)
+    final = root / OUT  # where tmp lands: relative paths are computed against it
+    deployment = deployment_json(final / "cpu" / "tensorrt_llm" / "1", root, model_dir, settings["dtype"], settings["device"],
+                                 kind, spec_dir, choices=tree.to_list() if tree else None,
+                                 options=_cpu_options(kind, structure, tree, converted), draft_model_dir=draft,
+                                 adaptive=settings["adaptive"])
+    write_cpu_repo(tmp / "cpu", deployment, os.path.relpath(tokenizer, final / "cpu" / "preprocessing"), limits,
+                   max_batch_size=settings["cpu_max_batch_size"], tree=tree)
     gpu = {"max_batch_size": settings["max_batch_size"], "decoupled": settings["decoupled"],
            "kv_cache_free_gpu_mem_fraction": settings["kv_cache_free_gpu_mem_fraction"]}
-    base = build.root.resolve() / OUT / "cpu" / "tensorrt_llm" / "1"  # where deployment.json lives
-    deployment = deployment_json(base, model_dir, settings["dtype"], kind, spec_dir, choices=settings["choices"],
-                                 max_draft_len=settings["max_draft_len"], draft_model_dir=draft, adaptive=settings["adaptive"])
-    write_cpu_repo(tmp / "cpu", deployment, model_dir, tokenizer_dir, max_batch_size=settings["cpu_max_batch_size"])
-    values = write_engine_repo(tmp / "engine", kind, tree, build.path("engines").resolve(), tokenizer_dir, **gpu)
-    atomic_write_text(tmp / "engine" / "fill_template_args.txt", backend_fill_args(values) + "\n")
-    write_llmapi_repo(tmp / "llmapi", kind, model_dir, spec_dir, draft, tree=tree, max_draft_len=settings["max_draft_len"], **gpu)
-    atomic_write_text(tmp / "README.md", _readme(kind))
+    if converted and converted.get("engine_flow"):
+        write_engine_repo(tmp / "engine", kind, tree, build_path(build.path("engines"), root), build_path(tokenizer, root),
+                          limits, **gpu)
+    if converted and converted.get("llmapi"):
+        write_llmapi_repo(tmp / "llmapi", converted["llmapi"]["model"], converted["llmapi"], limits,
+                          tp=converted["tp_size"], pp=converted["pp_size"], **gpu)
+    routes = _routes(kind, converted, structure, settings)
+    atomic_write_json(tmp / ROUTES_FILE, routes)
+    atomic_write_text(tmp / "README.md", _readme(routes))
 
 
 def _templates_digest() -> str:
     """Changing a template re-runs the stage."""
-    import hashlib
-
     digest = hashlib.sha256()
     for path in sorted(TEMPLATES.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
@@ -345,19 +469,25 @@ def _templates_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _readme(kind: str) -> str:
-    llmapi = ("speculative_config set" if kind in ("eagle", "draft", "ngram") else "no speculative_config: "
-              + ("no speculation asked" if kind == "none" else f"TRT-LLM >= 1.2 does not support '{kind}'"))
-    return (
-        "# Triton model repositories (written by `specdeploy package`)\n\n"
-        "- `cpu/`: served here by `specdeploy serve` (Python backend, specdeploy runtime).\n"
-        "- `engine/`: TensorRT-LLM <= 1.1 engines with the C++ `tensorrtllm` backend, in NVIDIA's\n"
-        "  Triton TRT-LLM container. `tensorrt_llm_bls/1/` takes the container's BLS code:\n"
-        "  `cp -r /app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/* engine/tensorrt_llm_bls/1/`.\n"
-        "  `fill_template_args.txt` holds the values in the backend's fill_template.py syntax.\n"
-        f"- `llmapi/`: TensorRT-LLM >= 1.2 (`llmapi` model; {llmapi}); its model.py is\n"
-        "  `/app/all_models/llmapi/tensorrt_llm/1/model.py` from the container.\n"
-    )
+def _readme(routes: dict[str, Any]) -> str:
+    lines = ["# Triton model repositories (written by `specdeploy package`)", "",
+             "- `cpu/`: served here by `specdeploy serve` (Python backend, specdeploy runtime); paths relative to each model."]
+    if "engine" in routes["routes"]:
+        lines.append("- `engine/`: TensorRT-LLM engine flow (0.15-1.3.x, C++ `tensorrtllm` backend). Engines come from "
+                     "`engines/build_engines.sh`; `tensorrt_llm_bls/1/` takes the container's BLS code "
+                     f"({BLS_CONTAINER_DIR}). `fill_template_args.txt` holds the values in fill_template.py's syntax.")
+        if routes["routes"]["engine"]["model"] == "tensorrt_llm_bls":
+            lines.append("  Draft-target runs in `tensorrt_llm_bls`: send `num_draft_tokens` "
+                         f"({routes['routes']['engine']['request']['num_draft_tokens']}) with each request; it does not stream.")
+    if "llmapi" in routes["routes"]:
+        lines.append(f"- `llmapi/`: TensorRT-LLM >= 1.2 LLM API: copy everything in {LLMAPI_CONTAINER_DIR} but model.yaml "
+                     "(model.py imports helpers.py) into `llmapi/tensorrt_llm/1/`; `trtllm_serve.yaml` is the same "
+                     "configuration for `trtllm-serve --config`.")
+    lines += [f"- no `{name}/`: {why}" for name, why in routes["refused"].items() if why]
+    lines += ["", "GPU-side paths read `$BUILD_DIR/...`: `build_scripts/gpu_host.sh build/<name>` resolves them where the "
+              "build is mounted, assembles the repository, starts the server and runs `specdeploy verify` against it "
+              "(`--dry-run` prints the commands)."]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,10 +495,13 @@ def _readme(kind: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdeploy.device import add_device_arg
+
     add_build_args(parser)
-    parser.add_argument("--choices", help="medusa/eagle choices tree, JSON ('[[0], [0, 0]]') or '{0}, {0, 0}'")
-    parser.add_argument("--max-draft-len", type=int, help="default: the choices tree's size, else 4")
-    parser.add_argument("--draft", help="draft model folder (spec=draft); default: the build's spec/")
+    add_device_arg(parser)
+    parser.add_argument("--choices", help="Medusa choices tree, JSON ('[[0], [0, 0]]') or '{0}, {0, 0}'")
+    parser.add_argument("--max-draft-len", type=int, help="draft tokens per step (default: what convert wrote, else 4)")
+    parser.add_argument("--draft", help="draft model folder (spec=draft); default: the copy convert made, else spec/")
     parser.add_argument("--dtype", choices=SERVE_DTYPES, default="auto",
                         help="CPU runtime dtype; auto: float64 when activations or K/V are quantized, else float32 "
                              "(the dtypes in which greedy parity is exact); bfloat16 is faster, parity at near-ties only")
@@ -382,8 +515,11 @@ def main(args: argparse.Namespace) -> int:
     build = build_from_args(args)
     out = run(
         build, spec=args.spec, choices=args.choices, max_draft_len=args.max_draft_len,
-        draft_model_dir=args.draft, dtype=args.dtype, adaptive=args.adaptive, max_batch_size=args.max_batch_size,
-        kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction, decoupled=not args.no_stream,
+        draft_model_dir=args.draft, dtype=args.dtype, adaptive=args.adaptive, device=args.device,
+        max_batch_size=args.max_batch_size, kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
+        decoupled=not args.no_stream,
     )
     print(out)
+    for line in gpu_summary(build):
+        print(line)
     return 0

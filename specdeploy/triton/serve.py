@@ -275,17 +275,19 @@ class TritonServer:
 # CLI
 
 
-def repository(build_root: Path, flavor: str = "cpu") -> Path:
-    """build/<name>/triton_repo/<flavor>: the model repository `serve` loads."""
-    return build_root / "triton_repo" / flavor
+def repository(build_root: Path) -> Path:
+    """build/<name>/triton_repo/cpu: what the bundled tritonserver can run. The GPU routes
+    (triton_repo/engine, triton_repo/llmapi) need NVIDIA's TensorRT-LLM container:
+    build_scripts/gpu_host.sh assembles and serves them there."""
+    return build_root / "triton_repo" / "cpu"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdeploy.manifest import add_build_args
 
     add_build_args(parser)
-    parser.add_argument("--repo", help="model repository (default: <build>/triton_repo/<flavor>)")
-    parser.add_argument("--flavor", default="cpu", choices=["cpu", "engine", "llmapi"])
+    parser.add_argument("--repo", help="model repository (default: <build>/triton_repo/cpu; the GPU routes are "
+                        "served by build_scripts/gpu_host.sh in NVIDIA's container)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
@@ -300,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
     from specdeploy.manifest import build_from_args
 
     build = build_from_args(args)
-    repo = Path(args.repo) if args.repo else repository(build.root, args.flavor)
+    repo = Path(args.repo) if args.repo else repository(build.root)
     server = TritonServer(
         repo, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         host=args.host, log_path=build.root / "logs" / "tritonserver.log",

@@ -2,17 +2,19 @@
 written to engines/build_engines.sh + engines/build_plan.json, and run only where they can run.
 
 trtllm-build runs here only when `tensorrt_llm` is importable, its version is inside the engine-
-flow window (formats.ENGINE_FLOW_WINDOW: trtllm-build was removed after 1.1.x) and a GPU is
-visible. Anywhere else - this project's CPU machines included - nothing is faked: the stage says
-plainly that no engine was built and how to build them (the script, inside NVIDIA's
-TensorRT-LLM container, via build_scripts/build_engines.sh).
+flow window (formats.ENGINE_FLOW_WINDOW: deprecated in 1.2/1.3, removed for the 1.4 line) and a
+GPU is visible. Anywhere else - this project's CPU machines included - nothing is faked: the
+stage says plainly that no engine was built and how to build them (the script, inside NVIDIA's
+container, via build_scripts/gpu_host.sh or build_scripts/build_engines.sh).
 
 Flags (tensorrt_llm/commands/build.py @ 008b2b8d and plugin/plugin.py, see formats.py):
---speculative_decoding_mode {medusa, eagle, draft_tokens_external} with --max_draft_len = the
-number of nodes of the choices tree (Medusa/EAGLE) or the draft length (draft-target: without
-it the target rejects every draft token, shared/facts.md); EAGLE needs the paged KV cache and
---use_paged_context_fmha enable; INT4 AWQ -> --weight_only_groupwise_quant_matmul_plugin,
-INT8 SQ -> --smooth_quant_gemm_plugin, FP8 KV cache -> --use_fp8_context_fmha enable.
+--speculative_decoding_mode {medusa, draft_tokens_external} with --max_draft_len = the number of
+nodes of the Medusa choices tree or the draft length (draft-target: without it the target
+rejects every draft token, shared/facts.md); draft-target uses the paged context FMHA for KV
+reuse; INT4 AWQ -> --weight_only_groupwise_quant_matmul_plugin, INT8 SQ ->
+--smooth_quant_gemm_plugin, FP8 KV cache -> --use_fp8_context_fmha enable. --max_seq_len and
+--max_input_len never exceed the model's context (max_position_embeddings): the Triton
+repositories declare the same numbers (triton/package.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import shlex
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,14 @@ from typing import Any
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
-from specdeploy.trtllm.formats import ENGINE_FLOW_MAX_EXCLUSIVE, ENGINE_FLOW_MIN, ENGINE_FLOW_WINDOW
+from specdeploy.trtllm.formats import (DEFAULT_IMAGE, ENGINE_FLOW_DEPRECATED, ENGINE_FLOW_MAX_EXCLUSIVE, ENGINE_FLOW_MIN,
+                                       ENGINE_FLOW_WINDOW, parse_version)
 
 STAGE, OUT = "build", "engines"
 SCRIPT, PLAN = "build_engines.sh", "build_plan.json"
-CONTAINER_HINT = ("run engines/build_engines.sh inside NVIDIA's TensorRT-LLM container (release 0.15-1.1.x) on a GPU host, "
-                  "e.g. build_scripts/build_engines.sh build/<name> (see build_scripts/README.md)")
+CONTAINER_HINT = (f"on a GPU host, build_scripts/gpu_host.sh build/<name> (image {DEFAULT_IMAGE}, TensorRT-LLM 1.2.1) builds "
+                  "them, serves and verifies; or run engines/build_engines.sh inside a TensorRT-LLM 0.15-1.3.x container "
+                  "(see build_scripts/README.md)")
 
 
 @dataclass(frozen=True)
@@ -47,26 +51,31 @@ class BuildLimits:
     max_num_tokens: int = 8192
     workers: int = 1
 
+    def fit(self, context: int | None) -> "BuildLimits":
+        """The same limits, capped at the model's context (the repositories declare the result)."""
+        if not context:
+            return self
+        seq = min(self.max_seq_len, context)
+        return replace(self, max_seq_len=seq, max_input_len=min(self.max_input_len, seq))
+
 
 # ------------------------------------------------------------------------- host checks
 
-def parse_version(text: str) -> tuple[int, int]:
-    parts = [int("".join(c for c in p if c.isdigit()) or 0) for p in text.split(".")[:2]]
-    return (parts + [0, 0])[0], (parts + [0, 0])[1]
-
-
 def check_engine_flow_version(version: str) -> None:
-    """Refuse TRT-LLM versions without the engine flow (or too old for EAGLE / --kv_cache_type)."""
+    """Refuse TRT-LLM versions without the engine flow (or too old for --kv_cache_type)."""
     v = parse_version(version)
     if v >= ENGINE_FLOW_MAX_EXCLUSIVE:
         raise SpecDeployError(
-            f"TensorRT-LLM {version} has no trtllm-build / engine flow (removed after 1.1.x); supported window: {ENGINE_FLOW_WINDOW}",
+            f"TensorRT-LLM {version} has no trtllm-build / engine flow (removed for the 1.4 line); supported window: {ENGINE_FLOW_WINDOW}",
             hint="use the LLM-API route: `specdeploy convert --route llmapi` writes the speculative_config YAML "
                  "for trtllm-serve and Triton's llmapi model.yaml (EAGLE-3, draft-target, n-gram)",
         )
     if v < ENGINE_FLOW_MIN:
         raise SpecDeployError(f"TensorRT-LLM {version} is older than this project supports ({ENGINE_FLOW_WINDOW})",
-                              hint="use a TensorRT-LLM 0.15-1.1.x container")
+                              hint="use a TensorRT-LLM 0.15-1.3.x container")
+    if v >= ENGINE_FLOW_DEPRECATED:
+        print(f"note: TensorRT-LLM {version} still builds engines, but the engine flow is deprecated there "
+              "(removed for 1.4); the LLM-API route is the one that stays")
 
 
 def trtllm_version() -> str | None:
@@ -125,9 +134,7 @@ def spec_flags(config: dict[str, Any], role: str, summary: dict[str, Any]) -> li
     arch, kind = config["architecture"], summary.get("kind", "none")
     if arch == "MedusaForCausalLM":
         return ["--speculative_decoding_mode", "medusa", "--max_draft_len", str(config["max_draft_len"])]
-    if arch == "EagleForCausalLM":
-        return ["--speculative_decoding_mode", "eagle", "--max_draft_len", str(config["max_draft_len"])]
-    if role == "target" and kind in ("draft", "ngram"):
+    if role == "target" and kind == "draft":
         return ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(summary["max_draft_len"])]
     return []
 
@@ -141,9 +148,8 @@ def engine_command(config: dict[str, Any], role: str, summary: dict[str, Any], l
             "--workers", str(limits.workers)]
     argv += quant_flags(config["quantization"])
     argv += spec_flags(config, role, summary)
-    paged_fmha = config["architecture"] == "EagleForCausalLM" or summary.get("kind") in ("draft", "ngram") \
-        or config["quantization"].get("kv_cache_quant_algo") == "FP8"
-    if paged_fmha:  # EAGLE requires it; draft-target uses KV reuse; FP8 context FMHA builds on it
+    paged_fmha = summary.get("kind") == "draft" or config["quantization"].get("kv_cache_quant_algo") == "FP8"
+    if paged_fmha:  # draft-target uses KV reuse; FP8 context FMHA builds on it
         argv += ["--use_paged_context_fmha", "enable"]
     if role == "draft":
         argv += ["--gather_generation_logits"]  # the BLS draft-target model can use draft logits
@@ -156,12 +162,9 @@ def plan_notes(checkpoints: dict[str, Any], summary: dict[str, Any]) -> list[str
     notes = []
     if arch == "MedusaForCausalLM":
         notes.append("TRT-LLM's Medusa decoding is greedy only; serve with decoding_mode medusa and the same medusa_choices")
-    if arch == "EagleForCausalLM":
-        notes.append("TRT-LLM's engine EAGLE accepts greedily (eagle_sample_and_accept_draft_plugin); serve with decoding_mode eagle "
-                     "and the same eagle_choices")
-    if summary.get("kind") in ("draft", "ngram"):
-        notes.append("draft tokens come from outside the target engine (Triton tensorrt_llm_bls for draft-target); "
-                     f"at most max_draft_len={summary.get('max_draft_len')} per step")
+    if summary.get("kind") == "draft":
+        notes.append("draft tokens come from the draft engine through Triton's tensorrt_llm_bls, which speculates only when "
+                     f"the request carries num_draft_tokens (<= max_draft_len={summary.get('max_draft_len')}) and does not stream")
     if summary.get("tp_size", 1) * summary.get("pp_size", 1) > 1:
         notes.append("multi-GPU engines are served with mpirun -n <world_size> (one rank per GPU)")
     return notes
@@ -173,6 +176,8 @@ def make_plan(ckpt_root: Path, limits: BuildLimits = BuildLimits()) -> dict[str,
         raise SpecDeployError(f"{summary_file} not found", hint="run `specdeploy convert` (engine route) first")
     summary = json.loads(summary_file.read_text())
     roles = [r for r in ("target", "draft") if (ckpt_root / r / "config.json").exists()]
+    if roles:
+        limits = limits.fit(model_context(ckpt_root / "target"))
     commands, checkpoints = [], {}
     for role in roles:
         config = json.loads((ckpt_root / role / "config.json").read_text())
@@ -183,8 +188,14 @@ def make_plan(ckpt_root: Path, limits: BuildLimits = BuildLimits()) -> dict[str,
             "checkpoints": checkpoints, "commands": commands, "world_size": summary["tp_size"] * summary["pp_size"],
             "engine_flow": bool(commands), "notes": plan_notes(checkpoints, summary)}
     if not commands:
-        plan["reason"] = summary.get("reason") or "no engine-flow checkpoint in trtllm_ckpt/"
+        plan["reason"] = summary.get("engine_reason") or "no engine-flow checkpoint in trtllm_ckpt/"
     return plan
+
+
+def model_context(checkpoint: Path) -> int | None:
+    """The context the converted model was trained for (its max_position_embeddings)."""
+    config = checkpoint / "config.json"
+    return json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
 
 
 def render_script(plan: dict[str, Any]) -> str:
@@ -206,7 +217,7 @@ def render_script(plan: dict[str, Any]) -> str:
         "v = tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in tensorrt_llm.__version__.split('.')[:2])",
         f"if not ({tuple(ENGINE_FLOW_MIN)} <= v < {tuple(ENGINE_FLOW_MAX_EXCLUSIVE)}):",
         f"    sys.exit(f'TensorRT-LLM {{tensorrt_llm.__version__}} is outside the engine-flow window >={lo},<{hi}: "
-        "use `specdeploy convert --route llmapi` (trtllm-serve) instead')",
+        "use the LLM-API route (`specdeploy convert --route llmapi`) instead')",
         "PY",
         'nvidia-smi -L >/dev/null || { echo "no GPU visible" >&2; exit 4; }',
     ]
@@ -217,7 +228,7 @@ def render_script(plan: dict[str, Any]) -> str:
 
 
 def _no_engine_flow(plan: dict[str, Any]) -> list[str]:
-    """Stop before anything else when there is nothing to build (e.g. an EAGLE-3 module)."""
+    """Stop before anything else when there is nothing to build (e.g. an EAGLE-3 build: LLM API only)."""
     if plan["commands"]:
         return []
     message = "no TensorRT-LLM engine flow for this build: " + plan["reason"]
@@ -286,7 +297,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not plan.get("engine_flow", True):
         print(f"no TensorRT-LLM engines for this build: {plan.get('reason')}")
-        print(f"Use the LLM-API route (TensorRT-LLM >= 1.2): {build.path('trtllm_ckpt')}/llmapi/ (speculative_config.yaml, model.yaml).")
+        print(f"This build's GPU route is the LLM API (TensorRT-LLM >= 1.2): {build.path('trtllm_ckpt')}/llmapi/, packaged as "
+              f"triton_repo/llmapi by `specdeploy package`; build_scripts/gpu_host.sh {build.root} serves and verifies it.")
         return 0
     print(f"engines were NOT built on this host: {plan.get('host')}.")
     print(f"The build plan and script are in {out}/{PLAN} and {out}/{SCRIPT}.")

@@ -1,15 +1,22 @@
 """`specdeploy convert` (stage `convert`): TensorRT-LLM checkpoints written by the project.
 
 Output (build/<name>/trtllm_ckpt/):
-    target/config.json + rank{N}.safetensors   the base model, or MedusaForCausalLM /
-                                               EagleForCausalLM with the spec module inside
-    draft/...                                  draft-target only: the plain draft checkpoint
+    target/config.json + rank{N}.safetensors   engine flow: the base model, or MedusaForCausalLM
+                                               with the heads inside
+    draft/...                                  engine flow, draft-target: the plain draft checkpoint
     */specdeploy.json                          what was converted from what (read back by reader.py)
-    llmapi/                                    --route llmapi: the TRT-LLM >= 1.2 route (llmapi.py)
+    llmapi/                                    the LLM-API route (llmapi.py): speculative_config.yaml,
+                                               eagle3_draft/, llmapi_summary.json
+    convert_summary.json                       which routes this build has, and why not the others
+
+Which routes: the engine flow (TRT-LLM 0.15 - 1.3.x: base, Medusa, draft-target) and the LLM-API
+route (TRT-LLM >= 1.2: EAGLE-3, draft-target, n-gram, base), each where the spec kind, the
+quantization and the release named by --trtllm-version allow it. Engine-flow EAGLE-1/2 is not
+converted: the spec stage trains EAGLE-3, which only the LLM API runs.
 
 Config fields and tensor names follow TensorRT-LLM's own sources, cited field by field in
-specdeploy/trtllm/formats.py (LLaMAConfig/QWenConfig/MedusaConfig/EagleConfig/QuantConfig/
-Mapping, llama/convert.py + eagle/weight.py naming and TP split rules). Ranks are
+specdeploy/trtllm/formats.py (LLaMAConfig/QWenConfig/MedusaConfig/QuantConfig/Mapping,
+llama/convert.py naming and TP split rules). Ranks are
 rank = pp_rank * tp_size + tp_rank (tensorrt_llm/mapping.py); each rank file holds only what
 that rank's model declares: vocab_embedding on the first PP rank, ln_f / lm_head / Medusa
 heads on the last one (PretrainedModel.load fails on a missing tensor).
@@ -19,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+import os
+import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +39,17 @@ from specdeploy.choices import ChoicesTree, validate_choices
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_bytes, atomic_write_json
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
-from specdeploy.trtllm import specmodules
-from specdeploy.trtllm.formats import MAX_EAGLE_DRAFT_LEN
+from specdeploy.trtllm import llmapi, specmodules
+from specdeploy.trtllm.formats import DEFAULT_TRTLLM_VERSION, ENGINE_FLOW_WINDOW, has_engine_flow, llmapi_release
+from specdeploy.trtllm.hostpaths import build_path
+from specdeploy.trtllm.llmapi import DraftStructure
 from specdeploy.trtllm.source import HFSource, load_hf_source
 from specdeploy.trtllm.weights import kv_rep, layer_rank, pad_rows, slice_role, unquantized_linears
 
 STAGE, OUT = "convert", "trtllm_ckpt"
 KINDS = ("none", "medusa", "eagle", "draft", "ngram")
-DEFAULT_EXTERNAL_DRAFT_LEN = 4  # draft-target / n-gram drafts per step when nothing says otherwise
+DEFAULT_DRAFT_LEN = 4  # EAGLE-3 chain / draft-target / n-gram drafts per step when nothing says otherwise
+DRAFT_MODEL = "draft_model"  # draft-target: the draft's HF folder, carried inside the build
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -71,8 +83,8 @@ def load_spec(spec_dir: str | Path | None, *, kind: str | None = None, draft_mod
 
         spec.module = load_file(str(module_file))
         _refuse_quantized_module(spec.module)
-        if config.get("choices"):
-            spec.tree = validate_choices(config["choices"], name=f"{kind}_choices")
+        if kind == "medusa" and config.get("choices"):
+            spec.tree = validate_choices(config["choices"], name="medusa_choices")
     if kind == "draft":
         found = draft_model or config.get("draft_model") or config.get("draft_model_dir")
         if not found:
@@ -86,8 +98,24 @@ def _refuse_quantized_module(module: dict[str, torch.Tensor]) -> None:
     if scaled:
         raise SpecDeployError(
             f"the spec module holds quantized tensors ({scaled[0]}, ...): quantized Medusa/EAGLE modules are not converted",
-            hint="keep the module unquantized: the converter excludes medusa_heads*/eagle_nets* from quantization",
+            hint="keep the module unquantized: the converter excludes medusa_heads* from quantization",
         )
+
+
+QUANTIZED_SPEC_REASON = (
+    "--quantize-spec wrote an FP8 module (quantized/spec/) that no TensorRT-LLM route here can deploy: the engine "
+    "flow's Medusa converter writes unquantized heads, and that the LLM API loads ModelOpt's FP8 EAGLE-3 drafter "
+    "export could not be confirmed in the llm_args/loader sources read for 1.2, 1.3 or main (formats.py)"
+)
+
+
+def refuse_quantized_spec(model_dir: Path) -> None:
+    """Refuse to deploy an unquantized module beside a quality report measured with an FP8 one."""
+    config = Path(model_dir) / "spec" / "spec_config.json"
+    if config.exists() and json.loads(config.read_text()).get("quantization"):
+        raise SpecDeployError(QUANTIZED_SPEC_REASON,
+                              hint="rebuild without --quantize-spec (the module deploys unquantized; the quality report "
+                                   "then measures what is deployed)")
 
 
 # ------------------------------------------------------------------------------- config.json
@@ -107,7 +135,7 @@ def quant_config(src: HFSource, kind: str, pp: int = 1) -> dict[str, Any]:
                 hint="use --pp-size 1 (or --tp-size) for a mixed-precision checkpoint, or quantize without --exclude",
             )
         # The embedding is not a quantized GEMM in TRT-LLM; lm_head stays in the model dtype.
-        spec_module = {"medusa": ["medusa_heads*"], "eagle": ["eagle_nets*"]}.get(kind, [])
+        spec_module = ["medusa_heads*"] if kind == "medusa" else []
         out["exclude_modules"] = ["lm_head", *spec_module, *kept]
     if quant.algo == "W4A16_AWQ":
         out.update(group_size=quant.group_size, has_zero_point=False, pre_quant_scale=True)
@@ -161,24 +189,6 @@ def medusa_config(src: HFSource, spec: SpecInput, shape: specmodules.MedusaShape
     return extra
 
 
-def eagle_config(src: HFSource, spec: SpecInput, dims, tp: int) -> dict[str, Any]:
-    tree = spec.tree or validate_choices([[0] * (i + 1) for i in range(4)])
-    shape = specmodules.eagle_choices_shape(tree.paths)
-    if shape["max_draft_len"] > MAX_EAGLE_DRAFT_LEN:
-        raise SpecDeployError(f"EAGLE choices tree has {shape['max_draft_len']} nodes", hint=f"TRT-LLM supports max_draft_len <= {MAX_EAGLE_DRAFT_LEN}")
-    net = {
-        "architecture": "LlamaForCausalLM", "dtype": src.dtype, "logits_dtype": "float32",
-        "num_hidden_layers": dims.layers, "num_attention_heads": dims.heads, "hidden_size": dims.hidden,
-        "intermediate_size": dims.intermediate, "num_key_value_heads": dims.kv_heads, "vocab_size": dims.vocab,
-        "position_embedding_type": "rope_gpt_neox", "max_position_embeddings": dims.max_positions,
-        "hidden_act": dims.hidden_act, "rotary_base": dims.rope_theta, "rotary_scaling": dims.rope_scaling,
-        "norm_epsilon": dims.norm_eps, "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
-        "mapping": mapping_dict(tp, 1), "use_parallel_embedding": False, "embedding_sharding_dim": 0,
-        "head_dim": dims.head_dim, "head_size": dims.head_dim,
-    }
-    return {"architecture": "EagleForCausalLM", **shape, "eagle_net_config": net}
-
-
 # ---------------------------------------------------------------------------- validation
 
 def check_mapping(src: HFSource, tp: int, pp: int, kind: str) -> None:
@@ -186,11 +196,6 @@ def check_mapping(src: HFSource, tp: int, pp: int, kind: str) -> None:
     d = src.dims
     if tp < 1 or pp < 1:
         raise SpecDeployError(f"--tp-size {tp} / --pp-size {pp} must be >= 1")
-    if kind == "eagle" and pp > 1:
-        raise SpecDeployError(
-            "EAGLE does not support pipeline parallelism in TensorRT-LLM (its EagleNets run on a pp_size=1 mapping)",
-            hint="use --tp-size for EAGLE and keep --pp-size 1",
-        )
     if d.layers % pp:
         raise SpecDeployError(f"{d.layers} layers do not split evenly into --pp-size {pp} stages", hint="TRT-LLM 1.x gives each stage num_layers // pp_size layers")
     kv_rep(d, tp)
@@ -249,7 +254,7 @@ def write_checkpoint(src: HFSource, out: Path, *, tp: int = 1, pp: int = 1, spec
                      role: str = "target") -> dict[str, Any]:
     """One TRT-LLM checkpoint (config.json + rank files) for `src` with an optional spec module."""
     spec = spec or SpecInput()
-    kind = spec.kind if spec.kind in ("medusa", "eagle") else "none"
+    kind = spec.kind if spec.kind == "medusa" else "none"
     check_mapping(src, tp, pp, kind)
     config = base_config(src, tp, pp, kind)
     sidecar: dict[str, Any] = {"producer": "specdeploy", "role": role, "source": str(src.path), "family": src.family,
@@ -275,44 +280,39 @@ def _spec_extras(src: HFSource, spec: SpecInput, kind: str, config: dict, sideca
         config.update(medusa_config(src, spec, shape))
         sidecar["spec"].update(heads=shape.heads, layers=shape.layers)
         return lambda tp_rank: specmodules.medusa_rank(spec.module, shape, tp, tp_rank, dtype)
-    if kind == "eagle":
-        if src.family != "llama":
-            raise specmodules.EngineFlowUnsupported("TRT-LLM's engine EAGLE (EagleForCausalLM) takes Llama-family bases only", hint=specmodules.LLMAPI_HINT)
-        specmodules.check_eagle_engine(spec.module, spec.config or {}, src.dims)
-        dims = specmodules.eagle_dims(spec.module, spec.config or {}, src.dims)
-        kv_rep(dims, tp)
-        config.update(eagle_config(src, spec, dims, tp))
-        sidecar["spec"].update(
-            eagle_layers=dims.layers, heads=dims.heads,
-            synthesized_fc="eagle_module.fc.weight" not in spec.module,
-            lm_head_from_base="eagle_module.lm_head.weight" not in spec.module,
-        )
-        n = config["num_eagle_layers"]
-
-        def eagle_rank(tp_rank: int) -> dict[str, torch.Tensor]:
-            net = specmodules.eagle_net_rank(spec.module, src.tensors, dims, tp, tp_rank, dtype)
-            return {f"eagle_nets.{i}.{k}": v for i in range(n) for k, v in net.items()}
-
-        return eagle_rank
     return lambda tp_rank: {}
 
 
+def engine_refusal(kind: str, version: str | None = None) -> str | None:
+    """Why the engine flow cannot serve this spec kind (on this release), or None."""
+    if version is not None and not has_engine_flow(version):
+        return (f"TensorRT-LLM {version} has no engine flow: trtllm-build and the C++ Triton backend were removed for the "
+                f"1.4 line (window {ENGINE_FLOW_WINDOW})")
+    if kind == "eagle":
+        return ("the engine flow runs EAGLE-1/2 (EagleForCausalLM) only, and the spec stage trains EAGLE-3, which only "
+                "the LLM API runs")
+    if kind == "ngram":
+        return ("an engine-flow n-gram target expects external draft tokens and nothing in the Triton engine repository "
+                "supplies them: it would serve plain decoding (the LLM API's NGram drafts inside TensorRT-LLM)")
+    return None
+
+
 def external_draft_len(spec: SpecInput) -> int:
-    if spec.max_draft_len is not None:
-        return int(spec.max_draft_len)
-    return spec.tree.num_nodes if spec.tree else DEFAULT_EXTERNAL_DRAFT_LEN
+    return int(spec.max_draft_len or DEFAULT_DRAFT_LEN)
 
 
 def convert_all(model_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, spec: SpecInput | None = None) -> dict[str, Any]:
     """Every engine-flow checkpoint a spec kind needs, under out/target (and out/draft)."""
     spec = spec or SpecInput()
+    why = engine_refusal(spec.kind)
+    if why:
+        raise specmodules.EngineFlowUnsupported(why, hint=specmodules.LLMAPI_HINT)
     out = Path(out)
     summary: dict[str, Any] = {"kind": spec.kind, "tp_size": tp, "pp_size": pp}
     config = write_checkpoint(load_hf_source(model_dir), out / "target", tp=tp, pp=pp, spec=spec)
     summary["max_draft_len"] = config.get("max_draft_len", 0)
-    if spec.kind in ("draft", "ngram"):
-        summary["max_draft_len"] = external_draft_len(spec)
     if spec.kind == "draft":
+        summary["max_draft_len"] = external_draft_len(spec)
         write_checkpoint(load_hf_source(spec.draft_dir), out / "draft", tp=tp, pp=pp, role="draft")
     if spec.tree is not None:
         summary["choices"] = spec.tree.to_list()
@@ -330,53 +330,106 @@ def _inputs(build: BuildDir) -> tuple[Path, tuple[str, ...]]:
     return model, consumes
 
 
-def convert_routes(model: Path, out: Path, spec: SpecInput, *, route: str = "auto", tp: int = 1, pp: int = 1,
-                   spec_dir: Path | None = None, base_dir: Path | None = None) -> dict[str, Any]:
-    """engine: checkpoints or a clear error; llmapi: the >= 1.2 files; auto: the engine flow when
-    the spec maps onto it (else a summary saying why not), plus the LLM-API files when TRT-LLM's
-    LLM API supports the spec kind."""
-    summary: dict[str, Any] = {"kind": spec.kind, "tp_size": tp, "pp_size": pp}
-    if route in ("engine", "auto"):
-        try:
-            summary = convert_all(model, out, tp=tp, pp=pp, spec=spec)
-            summary["engine_flow"] = True
-        except specmodules.EngineFlowUnsupported as err:
-            if route == "engine":
-                raise
-            summary.update(engine_flow=False, reason=str(err))
-            atomic_write_json(out / "convert_summary.json", summary)
-            print(f"convert: no TRT-LLM engine flow for this spec: {err}")
-    from specdeploy.trtllm import llmapi
+def link_folder(src: Path, dst: Path) -> None:
+    """A copy of an HF folder's files (hard links where the filesystem allows: no extra space)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in Path(src).iterdir():
+        if item.is_file():
+            try:
+                os.link(item, dst / item.name)
+            except OSError:
+                shutil.copy2(item, dst / item.name)
 
-    llmapi_ok = spec.kind in ("draft", "ngram", "none") or (spec.kind == "eagle" and llmapi.is_eagle3(spec))
-    if route == "llmapi" or (route == "auto" and llmapi_ok):
-        summary["llmapi"] = llmapi.write_llmapi(model, out / "llmapi", spec=spec, spec_dir=spec_dir, base_dir=base_dir, tp=tp, pp=pp)
+
+def _quant_algo(model: Path) -> str | None:
+    file = Path(model) / "hf_quant_config.json"
+    return json.loads(file.read_text()).get("quantization", {}).get("quant_algo") if file.exists() else None
+
+
+def draft_structure(spec: SpecInput, mode: str = "chain", topk: int | None = None, total: int | None = None) -> DraftStructure | None:
+    """How EAGLE-3 / draft-target / n-gram draft on both the GPU host and the CPU deployment
+    (Medusa keeps its choices tree, on the engine flow)."""
+    if spec.kind in ("none", "medusa"):
+        return None
+    return DraftStructure.make(mode, external_draft_len(spec), topk, total)
+
+
+def convert_routes(model: Path, out: Path, spec: SpecInput, *, route: str = "auto", tp: int = 1, pp: int = 1,
+                   spec_dir: Path | None = None, base_dir: Path | None = None,
+                   trtllm_version: str = DEFAULT_TRTLLM_VERSION, structure: DraftStructure | None = None,
+                   root: Path | None = None, published: Path | None = None) -> dict[str, Any]:
+    """Every route the build has for the release named: engine-flow checkpoints and/or the LLM-API
+    files; `route` engine/llmapi insists on one (an error says why not); auto takes what applies,
+    possibly none (e.g. INT8 SQ + n-gram). convert_summary.json records the routes written and
+    why the others were not."""
+    release = llmapi_release(trtllm_version)  # refuses a release line nobody checked
+    structure = structure or draft_structure(spec)
+    reasons = {"engine": engine_refusal(spec.kind, trtllm_version),
+               "llmapi": llmapi.refusal(spec.kind, _quant_algo(model), release)}
+    if route == "engine" and reasons["engine"]:
+        raise specmodules.EngineFlowUnsupported(reasons["engine"], hint=specmodules.LLMAPI_HINT)
+    if route == "llmapi" and reasons["llmapi"]:
+        raise SpecDeployError(reasons["llmapi"], hint="use --route auto, or --route engine where the engine flow applies")
+    published = published or out
+    summary: dict[str, Any] = {"kind": spec.kind, "tp_size": tp, "pp_size": pp, "trtllm_version": trtllm_version,
+                               "structure": structure.as_dict() if structure else None,
+                               "engine_flow": False, "engine_reason": reasons["engine"],
+                               "llmapi": None, "llmapi_reason": reasons["llmapi"]}
+    if spec.kind == "draft":  # the build carries its draft model: both sides run it wherever the build moves
+        link_folder(spec.draft_dir, out / DRAFT_MODEL)
+        summary["draft_model"] = build_path(published / DRAFT_MODEL, root)
+        spec = replace(spec, draft_dir=out / DRAFT_MODEL)  # converted from here; named as published
+    if route != "llmapi" and not reasons["engine"]:
+        summary.update(convert_all(model, out, tp=tp, pp=pp, spec=spec), engine_flow=True)
+    if route != "engine" and not reasons["llmapi"]:
+        if spec.kind == "draft":
+            spec = replace(spec, draft_dir=published / DRAFT_MODEL)
+        summary["llmapi"] = llmapi.write_llmapi(model, out / "llmapi", spec=spec, structure=structure or DraftStructure(),
+                                                release=release, spec_dir=spec_dir, base_dir=base_dir, root=root,
+                                                published=published / "llmapi")
+    for name, why in reasons.items():  # the CPU deployment is still packaged; the GPU host gets nothing to run
+        if why and route == "auto":
+            print(f"convert: no {name} route: {why}")
+    atomic_write_json(out / "convert_summary.json", summary)
     return summary
 
 
 def run(build: BuildDir, *, tp: int = 1, pp: int = 1, route: str = "auto", kind: str | None = None,
-        draft_model: str | None = None, max_draft_len: int | None = None) -> Path:
+        draft_model: str | None = None, max_draft_len: int | None = None,
+        trtllm_version: str = DEFAULT_TRTLLM_VERSION, eagle_tree: str = "chain", tree_topk: int | None = None,
+        tree_total: int | None = None) -> Path:
     """Stage `convert`: build/<name>/trtllm_ckpt/ from the quantized (or resolved) model + spec."""
     model, consumes = _inputs(build)
+    refuse_quantized_spec(model)
     spec_dir = build.path("spec") if build.record("spec") else None
-    settings = {"tp": tp, "pp": pp, "route": route, "kind": kind, "draft_model": draft_model, "max_draft_len": max_draft_len}
+    settings = {"tp": tp, "pp": pp, "route": route, "kind": kind, "draft_model": draft_model, "max_draft_len": max_draft_len,
+                "trtllm_version": trtllm_version, "eagle_tree": eagle_tree, "tree_topk": tree_topk, "tree_total": tree_total}
     if build.completed(STAGE, settings, consumes=consumes):
         return build.path(OUT)
     spec = load_spec(spec_dir, kind=kind, draft_model=draft_model, max_draft_len=max_draft_len)
+    structure = draft_structure(spec, eagle_tree, tree_topk, tree_total)
     with build.stage(STAGE, OUT, settings, consumes=consumes) as tmp:
-        convert_routes(model, tmp, spec, route=route, tp=tp, pp=pp, spec_dir=spec_dir, base_dir=build.path("base"))
+        convert_routes(model, tmp, spec, route=route, tp=tp, pp=pp, spec_dir=spec_dir, base_dir=build.path("base"),
+                       trtllm_version=trtllm_version, structure=structure, root=build.root, published=build.path(OUT))
     return build.path(OUT)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
+    llmapi.add_trtllm_version_arg(parser)
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel stages (default 1; not with EAGLE)")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel stages (default 1)")
     parser.add_argument("--route", choices=["auto", "engine", "llmapi"], default="auto",
-                        help="engine: checkpoints for trtllm-build (TRT-LLM <= 1.1.x) or an error; llmapi: speculative_config for "
-                             "TRT-LLM >= 1.2; auto (default): both where the spec allows")
+                        help="engine: checkpoints for trtllm-build (TRT-LLM 0.15-1.3.x) or an error; llmapi: the LLM-API "
+                             "files (TRT-LLM >= 1.2) or an error; auto (default): every route the build has")
     parser.add_argument("--draft-model", help="draft-target: the draft model's HF folder")
-    parser.add_argument("--max-draft-len", type=int, help="draft-target / n-gram: draft tokens per step (default: the choices tree, else 4)")
+    parser.add_argument("--max-draft-len", type=int,
+                        help=f"EAGLE-3 chain length / dynamic-tree depth, draft-target and n-gram draft tokens per step (default {DEFAULT_DRAFT_LEN})")
+    parser.add_argument("--eagle-tree", choices=["chain", "dynamic"], default="chain",
+                        help="EAGLE-3 drafting on the GPU host and the CPU deployment: a chain (default) or TensorRT-LLM's "
+                             "dynamic tree (1.3+)")
+    parser.add_argument("--tree-topk", type=int, help="dynamic tree: children per node / nodes expanded per depth (default 3)")
+    parser.add_argument("--tree-total-tokens", type=int, help="dynamic tree: draft tokens kept per step (default min(10, topk x depth))")
     parser.add_argument("--hf-dir", help="convert this HF folder directly (no build directory); needs --out")
     parser.add_argument("--spec-dir", help="with --hf-dir: a spec/ folder (spec_config.json + module.safetensors)")
     parser.add_argument("--out", help="with --hf-dir: output folder")
@@ -385,15 +438,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     # medusa/eagle come from the spec stage's spec_config.json; draft/ngram need no module
     kind = args.spec if args.spec in ("draft", "ngram") else None
+    tree = {"trtllm_version": args.trtllm_version}
     if args.hf_dir:
         if not args.out:
             raise SpecDeployError("--hf-dir needs --out")
         spec = load_spec(args.spec_dir, kind=kind, draft_model=args.draft_model, max_draft_len=args.max_draft_len)
         summary = convert_routes(Path(args.hf_dir), Path(args.out), spec, route=args.route, tp=args.tp_size, pp=args.pp_size,
-                                 spec_dir=Path(args.spec_dir) if args.spec_dir else None)
+                                 spec_dir=Path(args.spec_dir) if args.spec_dir else None,
+                                 structure=draft_structure(spec, args.eagle_tree, args.tree_topk, args.tree_total_tokens), **tree)
         print(f"TRT-LLM {args.route} output in {args.out}: {json.dumps(summary, default=str)}")
         return 0
     out = run(build_from_args(args), tp=args.tp_size, pp=args.pp_size, route=args.route, kind=kind,
-              draft_model=args.draft_model, max_draft_len=args.max_draft_len)
+              draft_model=args.draft_model, max_draft_len=args.max_draft_len, eagle_tree=args.eagle_tree,
+              tree_topk=args.tree_topk, tree_total=args.tree_total_tokens, **tree)
     print(f"TRT-LLM {args.route} output in {out}")
     return 0

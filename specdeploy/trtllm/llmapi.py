@@ -1,88 +1,192 @@
-"""The TensorRT-LLM >= 1.2 route: no engines, the PyTorch backend through the LLM API.
+"""The LLM-API route (TensorRT-LLM >= 1.2, PyTorch backend): no engines, the HF checkpoint
+(ModelOpt's unified quantized export included) loads directly into `trtllm-serve --config` or
+Triton's `llmapi` model. Speculative decoding there: EAGLE-3, draft-target and n-gram (not
+Medusa, not EAGLE-1/2); field sets and release differences are in formats.py with their sources.
 
-trtllm-build and the C++ engine backend are gone from these releases (shared/facts.md);
-`trtllm-serve --config speculative_config.yaml` and Triton's `llmapi` model (model.yaml) load
-the HF checkpoint (ModelOpt's unified quantized export included) directly. Their speculative
-decoding covers EAGLE-3, draft-target and n-gram - not Medusa nor EAGLE-1/2.
-
-Formats read from NVIDIA/TensorRT-LLM:
-- tensorrt_llm/llmapi/llm_args.py (EagleDecodingConfig.validate_eagle_config): with eagle_choices,
-  max_draft_len is reset to the tree's depth and max_total_draft_tokens = len(eagle_choices).
-- docs/source/features/speculative-decoding.md @ 04c8822cc42ffd1f5b6270874e5b9a64a20e7a58:
-  `speculative_config: {decoding_type: Eagle3 | DraftTarget | NGram, max_draft_len, speculative_model
-  (alias speculative_model_dir)}`; NGram options max_matching_ngram_size, is_public_pool,
-  is_keep_all, is_use_oldest; DraftTarget / NGram examples run with disable_overlap_scheduler.
-- triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml @ 0ebb1536ac12bbe27201185de960df3ab00bcecc:
-  `model`, `backend: pytorch`, `tensor_parallel_size`, `pipeline_parallel_size`, LLM() arguments,
-  `triton_config: {max_batch_size, decoupled}`.
-We write `speculative_model_dir`, the name both the 1.0-era and current releases accept.
+What is written depends on the release line the GPU host runs (`--trtllm-version`):
+- EAGLE-3 drafts a chain (`max_draft_len`) by default; TRT-LLM's dynamic tree
+  (`use_dynamic_tree`, `dynamic_tree_max_topK`, `max_total_draft_tokens`) where the line has it
+  and it is asked for; never a static `eagle_choices` tree (discouraged in 1.2, deprecated in
+  1.3, removed in 1.4). The CPU deployment decodes with the same DraftStructure.
+- `eagle3_layers_to_capture` is written explicitly: TRT-LLM's default {1, n//2-1, n-4} is a
+  set, so on a shallow base it collapses and no longer matches the module's fc width.
+- The EAGLE-3 draft folder carries its layer as `midlayer.*` (every loader accepts it).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from specdeploy.choices import ChoicesTree
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, atomic_write_text
+from specdeploy.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from specdeploy.trtllm.formats import DECODING_TYPES, DEFAULT_TRTLLM_VERSION, Release
+from specdeploy.trtllm.hostpaths import build_path
 
-DECODING_TYPES = {"eagle": "Eagle3", "draft": "DraftTarget", "ngram": "NGram"}
-NGRAM_DEFAULTS = {"max_matching_ngram_size": 3, "is_public_pool": False, "is_keep_all": True, "is_use_oldest": True}
+MODES = ("chain", "dynamic")
+# As NGramDecodingConfig takes them, chosen to match the CPU runtime's prompt lookup: the
+# longest suffix of up to 3 tokens, the most recent continuation, one pool per request.
+NGRAM_DEFAULTS = {"max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": False, "is_public_pool": False}
+MAX_RUNTIME_DEPTH = 8  # the CPU runtime's EAGLE proposer drafts at most this deep (runtime/proposers/eagle.py)
+DRAFT_FOLDER = "eagle3_draft"
 
 
-def speculative_config(kind: str, max_draft_len: int, draft_dir: str | Path | None = None,
-                       ngram: dict[str, Any] | None = None, tree: ChoicesTree | None = None) -> dict[str, Any]:
-    """The `speculative_config` mapping for one spec kind. An EAGLE tree is given as TRT-LLM's
-    EagleDecodingConfig takes it: max_draft_len = its depth (draft layers), eagle_choices, and
-    max_total_draft_tokens = its node count (what that config derives from the choices)."""
-    if kind not in DECODING_TYPES:
+def add_trtllm_version_arg(parser: Any) -> None:
+    parser.add_argument("--trtllm-version", default=DEFAULT_TRTLLM_VERSION,
+                        help=f"the TensorRT-LLM release the GPU host runs (default {DEFAULT_TRTLLM_VERSION}): decides the "
+                             "routes and what the LLM-API config carries (1.2, 1.3, 1.4 lines checked; engine flow < 1.4)")
+
+
+@dataclass(frozen=True)
+class DraftStructure:
+    """What the drafter proposes per step, named once for the GPU config and the CPU deployment."""
+
+    mode: str = "chain"  # chain | dynamic (EAGLE-3 only)
+    max_draft_len: int = 4  # chain length; for a dynamic tree its depth
+    topk: int | None = None  # dynamic: children per node, nodes expanded per depth
+    total: int | None = None  # dynamic: nodes kept per step (max_total_draft_tokens)
+
+    @classmethod
+    def make(cls, mode: str = "chain", max_draft_len: int = 4, topk: int | None = None,
+             total: int | None = None) -> "DraftStructure":
+        if mode not in MODES:
+            raise SpecDeployError(f"unknown draft structure {mode!r}", hint=f"use one of: {', '.join(MODES)}")
+        if max_draft_len < 1:
+            raise SpecDeployError(f"max_draft_len must be >= 1, got {max_draft_len}")
+        if mode == "chain":
+            return cls("chain", max_draft_len)
+        topk = topk or 3
+        total = total or min(10, topk * max_draft_len)
+        if not max_draft_len <= total <= topk * max_draft_len:
+            raise SpecDeployError(
+                f"max_total_draft_tokens {total} is outside [max_draft_len {max_draft_len}, topK * max_draft_len "
+                f"{topk * max_draft_len}]", hint="TensorRT-LLM's EagleDecodingConfig refuses it; pick a value in that range")
+        return cls("dynamic", max_draft_len, topk, total)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.total if self.mode == "dynamic" else self.max_draft_len
+
+    def trtllm_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"max_draft_len": self.max_draft_len}
+        if self.mode == "dynamic":
+            fields.update(use_dynamic_tree=True, dynamic_tree_max_topK=self.topk, max_total_draft_tokens=self.total)
+        return fields
+
+    def runtime_options(self, kind: str) -> dict[str, Any]:
+        """deployment.json "spec" options for the CPU proposer drafting the same way."""
+        options: dict[str, Any] = {"max_draft_len": self.tokens_per_step}
+        if kind == "eagle" and self.mode == "chain":
+            options.update(mode="chain", chain_len=self.max_draft_len)
+        if kind == "eagle" and self.mode == "dynamic":
+            options.update(mode="dynamic", depth=self.max_draft_len, topk=self.topk, width=self.topk, budget=self.total)
+        return options
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def check_structure(kind: str, structure: DraftStructure, release: Release) -> None:
+    """Refuse a structure the release (or the CPU runtime beside it) cannot run."""
+    if structure.mode == "dynamic" and kind != "eagle":
+        raise SpecDeployError(f"a dynamic tree is EAGLE-3 only, not {kind}", hint="use the default chain")
+    if structure.mode == "dynamic" and not release.dynamic_tree:
         raise SpecDeployError(
-            f"TensorRT-LLM's LLM-API route has no speculative decoding for {kind!r}",
-            hint="it supports EAGLE-3 (eagle), draft-target (draft) and n-gram (ngram); Medusa and EAGLE-1/2 need "
-                 "the engine flow (TRT-LLM <= 1.1.x, `specdeploy convert --route engine`)",
-        )
-    if max_draft_len < 1:
-        raise SpecDeployError(f"max_draft_len must be >= 1, got {max_draft_len}")
-    config: dict[str, Any] = {"decoding_type": DECODING_TYPES[kind], "max_draft_len": int(max_draft_len)}
-    if kind == "eagle" and tree is not None:
-        config.update(max_draft_len=tree.depth, eagle_choices=tree.to_list(), max_total_draft_tokens=tree.num_nodes)
+            f"TensorRT-LLM {release.name} has no EAGLE-3 dynamic tree in the PyTorch backend (it arrived in the 1.3 line)",
+            hint="draft a chain (the default), or pass --trtllm-version 1.3 / 1.4 for a host that runs one")
+    if kind == "eagle" and structure.max_draft_len > MAX_RUNTIME_DEPTH:
+        raise SpecDeployError(f"EAGLE draft depth {structure.max_draft_len} exceeds {MAX_RUNTIME_DEPTH}",
+                              hint=f"the CPU deployment that predicts the GPU host drafts at most {MAX_RUNTIME_DEPTH} deep")
+
+
+def refusal(kind: str, quant_algo: str | None, release: Release | None) -> str | None:
+    """Why this build has no LLM-API route, or None."""
+    if release is None:
+        return "the LLM-API route needs TensorRT-LLM >= 1.2 (--trtllm-version)"
+    if kind not in (*DECODING_TYPES, "none"):
+        return (f"TensorRT-LLM's PyTorch backend has no {kind} speculative decoding (MedusaDecodingConfig does not "
+                "support the pytorch backend; EAGLE-1/2 drafts are incompatible with Eagle3)")
+    if quant_algo == "W8A8_SQ_PER_CHANNEL":
+        return ("the PyTorch backend has no INT8 SmoothQuant (W8A8-SQ) method ('unsupported quant mode'); "
+                "an INT8 SQ checkpoint runs on the engine flow only")
+    return None
+
+
+def speculative_config(kind: str, structure: DraftStructure, release: Release, *, draft: str | None = None,
+                       layers_to_capture: list[int] | None = None, ngram: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `speculative_config` mapping of one kind for one release line; only keys it accepts."""
+    if kind not in DECODING_TYPES:
+        raise SpecDeployError(f"TensorRT-LLM's LLM-API route has no speculative decoding for {kind!r}",
+                              hint="it runs EAGLE-3 (eagle), draft-target (draft) and n-gram (ngram); Medusa needs the "
+                                   "engine flow (`specdeploy convert --route engine`, TensorRT-LLM < 1.4)")
+    check_structure(kind, structure, release)
+    config: dict[str, Any] = {"decoding_type": DECODING_TYPES[kind], **structure.trtllm_fields()}
     if kind in ("eagle", "draft"):
-        if draft_dir is None:
+        if draft is None:
             raise SpecDeployError(f"{DECODING_TYPES[kind]} needs a draft model folder")
-        config["speculative_model_dir"] = str(draft_dir)
+        config["speculative_model"] = draft
+    if kind == "eagle" and layers_to_capture:
+        config["eagle3_layers_to_capture"] = sorted(layers_to_capture)
     if kind == "ngram":
         config.update({**NGRAM_DEFAULTS, **(ngram or {})})
+    unknown = set(config) - release.fields(config["decoding_type"])
+    if unknown:  # the config models forbid unknown keys: never write one the release rejects
+        raise SpecDeployError(f"TensorRT-LLM {release.name} does not accept {sorted(unknown)} in speculative_config")
     return config
 
 
 def llm_options(spec_cfg: dict[str, Any] | None) -> dict[str, Any]:
-    """trtllm-serve --config / --extra_llm_api_options content."""
-    options: dict[str, Any] = {}
-    if spec_cfg:
-        options["speculative_config"] = spec_cfg
-        if spec_cfg["decoding_type"] in ("DraftTarget", "NGram"):
-            options["disable_overlap_scheduler"] = True  # as in TRT-LLM's own examples for these
+    """The speculative part of the LLM() arguments (trtllm-serve --config, model.yaml)."""
+    if not spec_cfg:
+        return {}
+    options: dict[str, Any] = {"speculative_config": spec_cfg}
+    if spec_cfg["decoding_type"] in ("Draft_Target", "NGram"):
+        options["disable_overlap_scheduler"] = True  # as in TRT-LLM's own examples for these
     return options
 
 
-def model_yaml(model_dir: str | Path, spec_cfg: dict[str, Any] | None, tp: int = 1, pp: int = 1,
-               decoupled: bool = True) -> dict[str, Any]:
-    """Triton `llmapi` model.yaml: LLM() arguments + triton_config."""
+def llm_args(spec_cfg: dict[str, Any] | None, *, tp: int, pp: int, max_batch_size: int, max_seq_len: int,
+             kv_cache_free_gpu_mem_fraction: float) -> dict[str, Any]:
+    """LLM() keyword arguments: trtllm-serve's --config file, and model.yaml without model/triton_config."""
     return {
-        "model": str(model_dir),
         "backend": "pytorch",
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "max_batch_size": max_batch_size,
+        "max_seq_len": max_seq_len,
+        "kv_cache_config": {"free_gpu_memory_fraction": kv_cache_free_gpu_mem_fraction},
         **llm_options(spec_cfg),
-        "triton_config": {"max_batch_size": 0, "decoupled": decoupled},
     }
 
 
-def export_eagle3_draft(base_dir: Path, spec_dir: Path, out: Path) -> Path:
+def model_yaml(model: str, args: dict[str, Any], *, decoupled: bool) -> dict[str, Any]:
+    """Triton `llmapi` model.yaml: the model, the LLM() arguments and triton_config."""
+    return {"model": model, **args, "triton_config": {"max_batch_size": 0, "decoupled": decoupled}}
+
+
+# ------------------------------------------------------------------------------ EAGLE-3 draft
+
+
+def is_eagle3(spec: Any) -> bool:
+    """ModelOpt's EAGLE-3 layout: auxiliary hidden states of several base layers (fc + hidden_norm)."""
+    arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
+    return bool(arch.get("use_aux_hidden_state")) or any(".hidden_norm." in k for k in (spec.module or {}))
+
+
+def layers_to_capture(spec: Any) -> list[int]:
+    """The base layers the module's fc reads (ModelOpt's eagle_aux_hidden_state_layer_ids)."""
+    arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
+    layers = arch.get("eagle_aux_hidden_state_layer_ids")
+    if not layers:
+        raise SpecDeployError("spec_config.json names no eagle_aux_hidden_state_layer_ids",
+                              hint="re-run `specdeploy spec`: it records the layers the module was trained on")
+    return sorted(set(int(i) for i in layers))
+
+
+def export_eagle3(base_dir: Path, spec_dir: Path, out: Path) -> Path:
     """ModelOpt's own EAGLE-3 draft export (a LlamaForCausalLMEagle3 folder) from the spec stage's module."""
     import torch
     from safetensors.torch import load_file
@@ -104,41 +208,70 @@ def export_eagle3_draft(base_dir: Path, spec_dir: Path, out: Path) -> Path:
     return out
 
 
-def is_eagle3(spec: Any) -> bool:
-    """ModelOpt's EAGLE-3 layout: auxiliary hidden states of several base layers (fc + hidden_norm)."""
+def training_rope_scaling(spec: Any) -> dict[str, Any] | None:
+    """The module's own rope_scaling (None: plain RoPE), as the spec stage trained it."""
     arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
-    return bool(arch.get("use_aux_hidden_state")) or any(".hidden_norm." in k for k in (spec.module or {}))
+    scaling = arch.get("rope_scaling") or {}
+    return None if (scaling.get("rope_type") or scaling.get("type") or "default") == "default" else scaling
 
 
-def eagle3_draft_dir(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path) -> Path:
-    """The spec stage's own ModelOpt export (spec/eagle3_export) when present, else export here."""
+def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | None) -> Path:
+    """The draft folder the GPU host loads: ModelOpt's export with its single decoder layer as
+    `midlayer.*`, and the RoPE the module was trained with (ModelOpt's exporter injects a YaRN
+    rope_scaling into a plain-RoPE module, which would make the GPU draft differ from the CPU one)."""
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(next(export.glob("*.safetensors"))))
+    layers = {k.split(".")[1] for k in tensors if k.startswith("layers.")}
+    if len(layers) == 1:
+        tensors = {("midlayer." + k.split(".", 2)[2]) if k.startswith("layers.") else k: v for k, v in tensors.items()}
+    config = json.loads((export / "config.json").read_text())
+    config["rope_scaling"] = rope_scaling
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "model.safetensors", save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"}))
+    atomic_write_json(out / "config.json", config)
+    return out
+
+
+def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path) -> Path:
+    """out/eagle3_draft from the spec stage's export (spec/eagle3_export), exporting it if absent."""
     if spec_dir is None:
         raise SpecDeployError("EAGLE-3 on the LLM-API route needs the spec stage output (spec/)")
     if not is_eagle3(spec):
-        raise SpecDeployError(
-            "this EAGLE module is EAGLE-1/2 shaped; TensorRT-LLM's LLM API runs EAGLE-3 drafts only",
-            hint="use the engine flow (TRT-LLM <= 1.1.x, `specdeploy convert --route engine`) for this module",
-        )
+        raise SpecDeployError("this EAGLE module is EAGLE-1/2 shaped; TensorRT-LLM's LLM API runs EAGLE-3 drafts only",
+                              hint="train the module with `specdeploy spec` (ModelOpt EAGLE-3)")
     ready = Path(spec_dir) / "eagle3_export"
-    if (ready / "config.json").exists() and list(ready.glob("*.safetensors")):
-        return ready
-    return export_eagle3_draft(base_dir, Path(spec_dir), out / "eagle3_draft")
+    if not ((ready / "config.json").exists() and list(ready.glob("*.safetensors"))):
+        ready = export_eagle3(base_dir, Path(spec_dir), out / ".eagle3_export")
+    folder = write_draft_folder(ready, out / DRAFT_FOLDER, training_rope_scaling(spec))
+    shutil.rmtree(out / ".eagle3_export", ignore_errors=True)
+    return folder
 
 
-def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, spec_dir: Path | None = None,
-                 base_dir: Path | None = None, tp: int = 1, pp: int = 1) -> dict[str, Any]:
-    """out/speculative_config.yaml + out/model.yaml (+ out/eagle3_draft/ for EAGLE-3)."""
+def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, structure: DraftStructure, release: Release,
+                 spec_dir: Path | None = None, base_dir: Path | None = None, root: Path | None = None,
+                 published: Path | None = None) -> dict[str, Any]:
+    """out/speculative_config.yaml (+ out/eagle3_draft/), and the summary package reads. Paths
+    are `$BUILD_DIR/...` relative to the build `root` (absolute without one), as they will be
+    once `out` is published as `published` (the stage's final folder)."""
+    import yaml
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec_cfg = None
     if spec.kind != "none":
-        draft_dir: Path | None = spec.draft_dir
+        draft: str | None = None
+        capture = None
         if spec.kind == "eagle":
-            draft_dir = eagle3_draft_dir(spec, spec_dir, base_dir or Path(model_dir), out)
-        spec_cfg = speculative_config(spec.kind, spec.max_draft_len or 4, draft_dir.resolve() if draft_dir else None,
-                                      (spec.config or {}).get("ngram"), tree=spec.tree)
+            eagle3_draft(spec, spec_dir, base_dir or Path(model_dir), out)
+            draft = build_path((published or out) / DRAFT_FOLDER, root)
+            capture = layers_to_capture(spec)
+        elif spec.kind == "draft":
+            draft = build_path(spec.draft_dir, root)
+        spec_cfg = speculative_config(spec.kind, structure, release, draft=draft, layers_to_capture=capture,
+                                      ngram=(spec.config or {}).get("ngram"))
     atomic_write_text(out / "speculative_config.yaml", yaml.safe_dump(llm_options(spec_cfg), sort_keys=False))
-    atomic_write_text(out / "model.yaml", yaml.safe_dump(model_yaml(Path(model_dir).resolve(), spec_cfg, tp, pp), sort_keys=False))
-    summary = {"route": "llmapi", "kind": spec.kind, "speculative_config": spec_cfg, "model": str(Path(model_dir).resolve())}
+    summary = {"route": "llmapi", "kind": spec.kind, "release": release.name, "structure": structure.as_dict(),
+               "speculative_config": spec_cfg, "model": build_path(model_dir, root)}
     atomic_write_json(out / "llmapi_summary.json", summary)
     return summary

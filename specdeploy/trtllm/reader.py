@@ -3,7 +3,7 @@ converter wrote what TRT-LLM's loaders expect, since no engine can be built here
 
 Undoes everything convert.py does: pipeline stages (local layer indices -> global), tensor-
 parallel slices (column: output dim, row: input dim), the fused attention.qkv per rank
-([q_r; k_r; v_r]) and duplicated KV heads, lm_head vocabulary padding, and the Medusa / EAGLE
+([q_r; k_r; v_r]) and duplicated KV heads, lm_head vocabulary padding, and the Medusa
 renaming. Unquantized, the HF model rebuilt from the result reproduces the source logits
 bit for bit (tests/test_trtllm_convert.py).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.trtllm.source import Dims, dims_of
+from specdeploy.trtllm.source import dims_of
 from specdeploy.trtllm.specmodules import MedusaShape, medusa_from_trt
 from specdeploy.trtllm.weights import LAYER_LINEARS, TRT_TO_ROLE, merge_role, split_qkv, undup_heads
 
@@ -45,7 +45,7 @@ class TrtCheckpoint:
 class HFLayout:
     config: dict[str, Any]                     # the HF config.json the checkpoint came from
     tensors: dict[str, torch.Tensor]           # model.* / lm_head.* (HF / ModelOpt unified names)
-    module: dict[str, torch.Tensor] = field(default_factory=dict)  # medusa_heads.* / eagle_module.*
+    module: dict[str, torch.Tensor] = field(default_factory=dict)  # medusa_heads.*
 
 
 def load_checkpoint(path: str | Path) -> TrtCheckpoint:
@@ -131,34 +131,7 @@ def read_checkpoint(path: str | Path) -> HFLayout:
     if kind == "medusa":
         spec = ckpt.sidecar["spec"]
         layout.module = medusa_from_trt(merged_last, MedusaShape(spec["heads"], spec["layers"]), dims.vocab)
-    elif kind == "eagle":
-        layout.module = eagle_from_trt(ckpt, last, dims)
     return layout
-
-
-def eagle_from_trt(ckpt: TrtCheckpoint, last: list[dict[str, torch.Tensor]], base_dims) -> dict[str, torch.Tensor]:
-    """eagle_nets.0.* (all nets are copies) -> ModelOpt eagle_module.* names."""
-    spec, net_cfg = ckpt.sidecar["spec"], ckpt.config["eagle_net_config"]
-    dims = Dims(hidden=net_cfg["hidden_size"], heads=net_cfg["num_attention_heads"], kv_heads=net_cfg["num_key_value_heads"],
-                head_dim=net_cfg["head_size"], intermediate=net_cfg["intermediate_size"], layers=net_cfg["num_hidden_layers"],
-                vocab=net_cfg["vocab_size"], norm_eps=net_cfg["norm_epsilon"], max_positions=net_cfg["max_position_embeddings"],
-                hidden_act=net_cfg["hidden_act"], rope_theta=net_cfg["rotary_base"], rope_scaling=None)
-    tp = net_cfg["mapping"]["tp_size"]
-    rep = 1 if dims.kv_heads >= tp else tp // dims.kv_heads
-    nets = [_group(r, "eagle_nets.0.") for r in last]
-    for i in range(1, ckpt.config["num_eagle_layers"]):
-        if any(not torch.equal(last[0][f"eagle_nets.0.{k}"], last[0][f"eagle_nets.{i}.{k}"]) for k in nets[0]):
-            raise SpecDeployError(f"eagle_nets.{i} differs from eagle_nets.0", hint="every EagleNet is a copy of the one EAGLE module")
-    module: dict[str, torch.Tensor] = {}
-    for l in range(dims.layers):
-        pieces = [_group(n, f"drafter.layers.{l}.") for n in nets]
-        module.update(layer_to_hf(pieces, f"eagle_module.layers.{l}", dims, tp, rep, False))
-    if not spec.get("synthesized_fc"):
-        module["eagle_module.fc.weight"] = torch.cat([n["drafter.fc.weight"] for n in nets])
-        module["eagle_module.fc.bias"] = torch.cat([n["drafter.fc.bias"] for n in nets])
-    if not spec.get("lm_head_from_base"):
-        module["eagle_module.lm_head.weight"] = torch.cat([n["lm_head.weight"] for n in nets])[: base_dims.vocab]
-    return module
 
 
 def build_hf_model(layout: HFLayout, dtype: torch.dtype = torch.float32) -> Any:

@@ -1,8 +1,7 @@
 """HF decoder-layer tensors -> TRT-LLM rank tensors (and back), with TP sharding and the
 quantization scales under TRT-LLM's names.
 
-Names and split rules: tensorrt_llm/models/llama/convert.py and eagle/weight.py (see
-formats.py for commits): q/k/v are split per projection along the output dim and concatenated
+Names and split rules: tensorrt_llm/models/llama/convert.py (see formats.py for commits): q/k/v are split per projection along the output dim and concatenated
 per rank as [q_r; k_r; v_r] into attention.qkv; o_proj and down_proj split along the input dim;
 gate_proj -> mlp.fc, up_proj -> mlp.gate (GatedMLP activates fc); KV heads fewer than TP ranks
 are duplicated (dup_kv_weight). Scale names follow ModelOpt's TRT-LLM export
@@ -15,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.quantize import FUSED_GROUPS
+from specdeploy.quantize.formats import FUSED_GROUPS
 from specdeploy.trtllm.source import Dims, Quant
 
 # HF unified-checkpoint suffix -> TRT-LLM parameter suffix.

@@ -7,6 +7,7 @@ tensorrt_llm model emits them; in streaming it runs once per response (one accep
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -18,10 +19,16 @@ def _param(config: dict, key: str, default: str = "") -> str:
     return default if value.startswith("${") else value
 
 
+def tokenizer_dir(args: dict, config: dict) -> str:
+    """tokenizer_dir as written, or relative to this model's folder (how specdeploy package
+    writes it for the CPU repository, so the build can move)."""
+    return os.path.join(args["model_repository"], _param(config, "tokenizer_dir"))
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
-        self.tokenizer = AutoTokenizer.from_pretrained(_param(config, "tokenizer_dir"))
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(args, config))
         self.skip_special = _param(config, "skip_special_tokens", "true").lower() in ("true", "1")
 
     def execute(self, requests):

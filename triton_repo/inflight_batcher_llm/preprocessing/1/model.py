@@ -8,6 +8,7 @@ message naming the client-facing input (text_input, max_tokens, stop_words, ...)
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -21,6 +22,12 @@ class BadRequest(ValueError):
 def _param(config: dict, key: str, default: str = "") -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", default)
     return default if value.startswith("${") else value
+
+
+def tokenizer_dir(args: dict, config: dict) -> str:
+    """tokenizer_dir as written, or relative to this model's folder (how specdeploy package
+    writes it for the CPU repository, so the build can move)."""
+    return os.path.join(args["model_repository"], _param(config, "tokenizer_dir"))
 
 
 def _optional(request, name: str):
@@ -64,7 +71,7 @@ def word_list(rows, tokenizer, what: str) -> np.ndarray:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
-        self.tokenizer = AutoTokenizer.from_pretrained(_param(config, "tokenizer_dir"))
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(args, config))
         self.add_special_tokens = _param(config, "add_special_tokens", "false").lower() in ("true", "1")
         self.max_input_len = int(_param(config, "max_input_len", "0") or 0)
         self.max_output_len = int(_param(config, "max_output_len", "0") or 0)
