@@ -35,7 +35,7 @@ serve: venv
 	$(PY) -m specdeploy serve $(BUILD_ARGS)
 
 verify: venv
-	$(PY) -m specdeploy verify $(BUILD_ARGS)
+	$(PY) -m specdeploy verify $(BUILD_ARGS) --device $(DEVICE)
 
 bench: venv
 	$(PY) -m specdeploy bench --build-root $(BUILD) --device $(DEVICE) $(BENCH_ARGS)

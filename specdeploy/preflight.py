@@ -103,5 +103,23 @@ def check(plan: MemoryPlan, device: "torch.device", *, options: list[str], all_g
     )
 
 
+def fit(plan: MemoryPlan, device: "torch.device", *, options: list[str], may_spread: bool = True) -> str | None:
+    """The device_map to load with: None when `plan` fits `device`; "auto" when it does not fit one
+    GPU but fits all visible ones and `may_spread` (accelerate spreads the layers, as ModelOpt's
+    hf_ptq.py loads large models); else refuse naming `options`, before anything is loaded."""
+    import sys
+
+    import torch
+
+    spread = (may_spread and device.type == "cuda" and torch.cuda.device_count() > 1
+              and plan.total > 0.9 * available_bytes(device))
+    check(plan, device, options=options, all_gpus=spread)
+    if spread:
+        print(f"{plan.what}: does not fit {device}; spreading the model over {torch.cuda.device_count()} GPUs "
+              "(device_map=auto)", file=sys.stderr)
+        return "auto"
+    return None
+
+
 def weights_bytes(model_dir: str | os.PathLike, dtype: "str | torch.dtype") -> int:
     return parameter_count(model_dir) * dtype_bytes(dtype)

@@ -4,14 +4,12 @@ model fits all visible GPUs but not one (as ModelOpt's own hf_ptq.py loads large
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdeploy import preflight
-from specdeploy.errors import SpecDeployError
 
 
 @dataclass(frozen=True)
@@ -44,13 +42,4 @@ def place(what: str, model_dir: Path, dtype: str, device: torch.device, seq_len:
         "weights" if copies == 1 else f"weights x{copies}": copies * preflight.weights_bytes(model_dir, dtype),
         "activations": activation_bytes(model_dir, seq_len, dtype),
     })
-    try:
-        preflight.check(plan, device, options=options)
-        return Placement(device)
-    except SpecDeployError:
-        if device.type != "cuda" or torch.cuda.device_count() < 2:
-            raise
-    preflight.check(plan, device, options=options, all_gpus=True)
-    print(f"{what}: does not fit {device}; spreading the model over {torch.cuda.device_count()} GPUs "
-          "(device_map=auto)", file=sys.stderr)
-    return Placement(device, "auto")
+    return Placement(device, preflight.fit(plan, device, options=options))

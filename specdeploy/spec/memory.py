@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.preflight import GiB, MemoryPlan, available_bytes, check, dtype_bytes, weights_bytes
+from specdeploy.preflight import GiB, MemoryPlan, check, dtype_bytes, fit, weights_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -103,10 +103,9 @@ def plan_distillation(
         plan.items.update(shard.items)
         check(plan, device, options=DISTILL_OPTIONS)
         return None
-    spread = world == 1 and torch.cuda.device_count() > 1 and plan.total > 0.9 * available_bytes(device)
-    check(plan, device, options=DISTILL_OPTIONS, all_gpus=spread)
+    device_map = fit(plan, device, options=DISTILL_OPTIONS, may_spread=world == 1)
     check(shard, torch.device("cpu"), options=DISTILL_OPTIONS)
-    return "auto" if spread else None
+    return device_map
 
 
 def check_disk(folder: Path, needed: int) -> None:
