@@ -60,7 +60,7 @@ def add_build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--build-dir", help="build directory (default: <build-root>/<model>-<spec>-<quant>)")
     parser.add_argument("--build-root", default="build", help="parent of build directories (default: build)")
     parser.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf file or bundled name")
-    parser.add_argument("--spec", default="eagle", choices=["eagle", "medusa", "draft", "ngram", "none"])
+    parser.add_argument("--spec", default="eagle", choices=["eagle", "medusa", "dflash", "draft", "ngram", "none"])
     parser.add_argument("--quant", default="fp8", choices=QUANT_FORMATS, help="ModelOpt quantization format of the base")
 
 

@@ -26,7 +26,7 @@ from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPES, gpu_summary
 from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
 
 console = Console()
-TRAINED_SPECS = ("eagle", "medusa")
+TRAINED_SPECS = ("eagle", "medusa", "dflash")
 # FP8 KV cache where the weight format already needs FP8 hardware (Ada/Hopper+); INT8/INT4 also
 # target Ampere, which has no FP8, so they keep the KV cache unquantized unless asked.
 KV_CACHE_FOR = {"fp8": "fp8", "nvfp4": "fp8", "w4a8_awq": "fp8"}

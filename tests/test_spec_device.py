@@ -26,7 +26,7 @@ from specdeploy.spec import commands, load_spec_model, module_state_dict, preset
 from specdeploy.spec import train as train_mod
 from specdeploy.spec.distill import distill
 from specdeploy.spec.parallel import Parallel, setup
-from specdeploy.spec.train import TrainSettings, data_layers, export_eagle, fit, train
+from specdeploy.spec.train import TrainSettings, data_layers, export_draft, fit, train
 from specdeploy.spec.validate import CategoryResult, overall
 
 TINY = dict(num_prompts=8, teacher_forced=0, max_new_tokens=16, window=32, batch_size=4, draft_vocab=96, distill_batch=8)
@@ -131,7 +131,7 @@ def test_eagle_export_without_the_decoder_layers_equals_the_whole_base(tiny_llam
     spec_dir = tmp_path / "spec"
     train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=2, **TINY), data=data, device="cpu")
     export_speculative_decoding(load_spec_model(tiny_llama_dir, spec_dir, device="cpu"), export_dir=str(tmp_path / "whole"))
-    ours = export_eagle(tiny_llama_dir, spec_dir, device="cpu")
+    ours = export_draft(tiny_llama_dir, spec_dir, device="cpu")
     assert json.loads((ours / "config.json").read_text()) == json.loads((tmp_path / "whole" / "config.json").read_text())
     a, b = load_file(str(ours / "model.safetensors")), load_file(str(tmp_path / "whole" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -319,6 +319,27 @@ def test_dynamic_tree_on_a_release_that_has_it_both_sides(make):
     assert (decoder.proposer.mode, decoder.proposer.depth, decoder.proposer.topk, decoder.proposer.budget) == ("dynamic", 3, 2, 5)
 
 
+def test_dflash_drafts_the_block_the_gpu_config_names(tmp_path, tiny_llama_dir):
+    from specdeploy.runtime.proposers.dflash import DFlashProposer
+    from tests.test_trtllm_llmapi import dflash_spec
+
+    build = BuildDir(tmp_path / "b")
+    models.run(build, str(tiny_llama_dir))
+    with build.stage("spec", "spec", {}, consumes=("resolve",)) as tmp:  # what the spec stage leaves behind
+        dflash_spec(tiny_llama_dir, tmp)
+    convert.run(build, trtllm_version="1.3.0")
+    out = package.run(build, spec="dflash")
+    gpu = model_yaml(out)["speculative_config"]
+    assert (gpu["decoding_type"], gpu["max_draft_len"]) == ("DFlash", 3)
+    spec = deployment(out)["spec"]
+    assert (spec["kind"], spec["block_size"], spec["max_draft_len"]) == ("dflash", 4, 3)
+    assert (out / "cpu" / "tensorrt_llm" / "1" / spec["path"]).resolve() == build.path("spec").resolve()
+    decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
+    assert isinstance(decoder.proposer, DFlashProposer) and decoder.proposer.block_size == 4 and decoder.draft_len == 3
+    with pytest.raises(SpecDeployError, match="differs from the chain of 3"):
+        package.run(build, spec="dflash", max_draft_len=2)
+
+
 @pytest.mark.parametrize("device, kind", [("cpu", "kind: KIND_CPU"), ("auto", "kind: KIND_CPU"),
                                           ("cuda", "kind: KIND_GPU }"), ("cuda:1", "kind: KIND_GPU gpus: [ 1 ]")])
 def test_device_is_recorded_as_given_and_picks_the_instance_kind(make, device, kind):

@@ -196,3 +196,70 @@ def test_a_quantized_module_from_quantize_spec_is_refused_with_the_reason(tiny_l
         convert.refuse_quantized_spec(model)
     assert "without --quantize-spec" in err.value.hint
     convert.refuse_quantized_spec(tiny_llama_dir)  # no quantized module: nothing to refuse
+
+
+# ------------------------------------------------------------------------------ DFlash
+
+
+def dflash_spec(base: Path, out: Path) -> dict[str, torch.Tensor]:
+    """What the spec stage leaves for DFlash (a freshly initialized module): spec_config.json,
+    module.safetensors and ModelOpt's export in dflash_export/."""
+    from transformers import AutoConfig
+
+    from specdeploy.spec import convert_model, module_state_dict
+    from specdeploy.spec import dflash as dflash_spec_module
+    from specdeploy.spec.common import load_offline_base, save_tensors
+    from specdeploy.spec.train import export_draft
+
+    config = dflash_spec_module.modelopt_config(AutoConfig.from_pretrained(base), block_size=4, anchors=8)
+    model = convert_model(load_offline_base(base, torch.float32), "dflash", {**config, "dflash_offline": True})
+    out.mkdir(parents=True, exist_ok=True)
+    module = module_state_dict(model, "dflash")
+    save_tensors(out / "module.safetensors", module)
+    (out / "spec_config.json").write_text(json.dumps({"kind": "dflash", "modelopt_config": config, "block_size": 4}))
+    export_draft(base, out, device="cpu")
+    return module
+
+
+DFLASH = {"mask_token_id": 383, "target_layer_ids": [1]}
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=lambda r: r.name)
+def test_dflash_config_only_where_the_release_has_it(release):
+    chain = DraftStructure.make("chain", 3)
+    if not release.dflash:
+        assert release.name == "1.2"  # DFlashDecodingConfig arrived in the 1.3 line
+        assert "no DFlash" in llmapi.refusal("dflash", None, release)
+        with pytest.raises(SpecDeployError, match="no DFlash"):
+            llmapi.speculative_config("dflash", chain, release, draft="/d", dflash=DFLASH)
+        return
+    assert llmapi.refusal("dflash", None, release) is None
+    config = llmapi.speculative_config("dflash", chain, release, draft="$BUILD_DIR/d", dflash=DFLASH)
+    check_fields(config, release)
+    assert config == {"decoding_type": "DFlash", "max_draft_len": 3, "speculative_model": "$BUILD_DIR/d", **DFLASH}
+    with pytest.raises(SpecDeployError, match="dynamic tree is EAGLE-3 only"):
+        llmapi.speculative_config("dflash", DYNAMIC, release, draft="/d", dflash=DFLASH)
+
+
+def test_dflash_routes_and_draft_folder(tiny_llama_dir, tmp_path):
+    module = dflash_spec(tiny_llama_dir, tmp_path / "spec")
+    spec = convert.load_spec(tmp_path / "spec")
+    with pytest.raises(SpecDeployError, match="LLM API only"):  # no engine flow for it
+        convert.convert_routes(tiny_llama_dir, tmp_path / "engine", spec, route="engine", trtllm_version="1.3.0")
+    refused = convert.convert_routes(tiny_llama_dir, tmp_path / "old", spec, spec_dir=tmp_path / "spec", root=tmp_path)
+    assert refused["llmapi"] is None and "no DFlash" in refused["llmapi_reason"]  # the default release, 1.2
+    summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, spec_dir=tmp_path / "spec",
+                                     base_dir=tiny_llama_dir, root=tmp_path, trtllm_version="1.3.0")
+    config = summary["llmapi"]["speculative_config"]
+    check_fields(config, formats.RELEASES[(1, 3)])
+    assert config == {"decoding_type": "DFlash", "max_draft_len": 3,  # the whole block: block_size - 1
+                      "speculative_model": "$BUILD_DIR/out/llmapi/dflash_draft", **DFLASH}
+    draft = tmp_path / "out" / "llmapi" / "dflash_draft"
+    draft_config = json.loads((draft / "config.json").read_text())
+    assert draft_config["architectures"] == ["DFlashDraftModel"] and draft_config["block_size"] == 4
+    assert draft_config["dflash_config"]["mask_token_id"] == 383 and draft_config["num_target_layers"] == 2
+    exported = load_file(str(draft / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], module["dflash_module.fc.weight"])  # the module's weights
+    with pytest.raises(SpecDeployError, match="at most block_size - 1 = 3"):
+        convert.convert_routes(tiny_llama_dir, tmp_path / "long", convert.load_spec(tmp_path / "spec", max_draft_len=5),
+                               spec_dir=tmp_path / "spec", root=tmp_path, trtllm_version="1.3.0", route="llmapi")

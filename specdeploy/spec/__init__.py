@@ -1,10 +1,10 @@
-"""Stage `spec`: a Medusa or EAGLE module trained with ModelOpt on the base model's own outputs.
+"""Stage `spec`: a Medusa, EAGLE or DFlash module trained with ModelOpt on the base model's own outputs.
 
 Contract of `build/<name>/spec/` (read by the quantize and TRT-LLM convert stages, and by the
 runtime proposers):
 
     spec/spec_config.json
-        {"kind": "medusa" | "eagle",
+        {"kind": "medusa" | "eagle" | "dflash",
          "modelopt_config": {...},   # exactly the dict passed to mtsp.convert(model, [(kind, cfg)])
                                      # for an *online* model (base layers present; EAGLE training
                                      # may have used eagle_offline=True, this dict never does)
@@ -16,6 +16,7 @@ runtime proposers):
          "draft_vocab_ids": [...],   # Medusa: the frequent tokens the runtime ranks (not a weight:
                                      # the heads keep their full-vocabulary projection)
          "draft_vocab_coverage": float,  # share of training next-tokens inside that vocabulary
+         "block_size": int,          # DFlash: the pending token + block_size - 1 drafts per forward
          "training": {"steps", "seconds", "tokens", "first_loss", "final_loss", "final_acc", "lr",
                       "distill": {...}, "settings": {...}},
          "format_version": 1}
@@ -23,9 +24,12 @@ runtime proposers):
         only the trained module's tensors, keys exactly as in the converted model's state_dict():
         medusa_heads.{h}.{l}.linear.{weight,bias}, medusa_heads.{h}.{num_layers}.weight  (Medusa)
         eagle_module.*  (EAGLE-3 layer, fc, norms, lm_head over the draft vocab, d2t buffer)
+        dflash_module.*  (DFlash layers, fc, norms; drafts through the base's embeddings and lm_head)
         Stored in float32 (the base dtype is chosen when loading).
     spec/eagle3_export/      (EAGLE only) ModelOpt's export_speculative_decoding output
                              (config.json + model.safetensors of a LlamaForCausalLMEagle3 draft)
+    spec/dflash_export/      (DFlash only) the same export of the DFlash draft (config.json with
+                             dflash_config, model.safetensors): what TensorRT-LLM and vLLM load
 
 Producers: the stage function `specdeploy.spec.commands.run(build, spec, preset="quick", device="auto",
 **overrides)` (what `make engine` calls) and `specdeploy spec train` (also under torchrun: see
@@ -50,7 +54,8 @@ from specdeploy.errors import SpecDeployError
 SPEC_CONFIG = "spec_config.json"
 MODULE_FILE = "module.safetensors"
 EAGLE_EXPORT = "eagle3_export"
-MODULE_PREFIXES = {"medusa": "medusa_heads.", "eagle": "eagle_module."}
+DFLASH_EXPORT = "dflash_export"
+MODULE_PREFIXES = {"medusa": "medusa_heads.", "eagle": "eagle_module.", "dflash": "dflash_module."}
 
 __all__ = ["load_spec_model", "load_module_model", "load_module_weights", "read_spec_config", "module_state_dict",
            "convert_model", "SPEC_CONFIG", "MODULE_FILE"]
@@ -62,7 +67,7 @@ def read_spec_config(spec_dir: str | os.PathLike) -> dict[str, Any]:
         raise SpecDeployError(f"{path} not found", hint="run `specdeploy spec train` (or `make engine`) first")
     config = json.loads(path.read_text())
     if config.get("kind") not in MODULE_PREFIXES:
-        raise SpecDeployError(f"{path}: unknown kind {config.get('kind')!r}", hint="expected 'medusa' or 'eagle'")
+        raise SpecDeployError(f"{path}: unknown kind {config.get('kind')!r}", hint=f"expected one of {', '.join(MODULE_PREFIXES)}")
     return config
 
 

@@ -128,6 +128,8 @@ def module_parameters(kind: str, arch: Arch, settings: Any) -> tuple[int, int]:
         heads = settings.medusa_heads * arch.vocab * h
         return (blocks + heads, 0) if settings.medusa_train_lm_head else (blocks, heads)
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    if kind == "dflash":  # one layer reading the hidden size, fc over one target layer; the base's head
+        return h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate + h * h, 0
     layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate  # EAGLE-3: q/k/v read [embeds, hidden]
     draft_vocab = min(settings.draft_vocab, arch.vocab)
     return settings.eagle_layers * layer + 3 * h * h + draft_vocab * h, 0
@@ -140,7 +142,10 @@ def plan_training(model_dir: str | os.PathLike, settings: Any, device: "torch.de
     trainable, frozen = module_parameters(settings.kind, arch, settings)
     tokens = settings.batch_size * settings.window // max(world, 1)
     draft_vocab = min(settings.draft_vocab, arch.vocab)
-    if settings.kind == "medusa":
+    if settings.kind == "dflash":  # draft logits (+ softmax, grad, teacher) per block row; base logits
+        rows = settings.batch_size * settings.anchors * settings.block_size // max(world, 1)
+        work = rows * arch.vocab * FP32 * 4 + tokens * arch.vocab * FP32
+    elif settings.kind == "medusa":
         work = settings.medusa_heads * tokens * (draft_vocab * FP32 * 3 + 4 * arch.hidden * FP32)
     else:
         q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim

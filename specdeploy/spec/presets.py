@@ -15,9 +15,8 @@ from typing import Any
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.preflight import parameter_count
-from specdeploy.spec.train import TrainSettings
+from specdeploy.spec.train import KINDS, TrainSettings
 
-KINDS = ("medusa", "eagle")
 PRESETS = ("quick", "long")
 GPU_MIN_PARAMS = 1_000_000_000
 
@@ -36,14 +35,18 @@ _GPU_DATA = dict(max_new_tokens=512, tf_max_tokens=2048, window=2048, batch_size
                  checkpoint_every=250)  # an 8B module's checkpoint (module + AdamW) is ~5 GB
 TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
     "cpu": {
-        "quick": {"eagle": dict(steps=750, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA)},
-        "long": {"eagle": dict(steps=6000, **_CPU_LONG_DATA), "medusa": dict(steps=4000, **_CPU_LONG_DATA)},
+        "quick": {"eagle": dict(steps=750, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA),
+                  "dflash": dict(steps=750, **_CPU_QUICK_DATA)},
+        "long": {"eagle": dict(steps=6000, **_CPU_LONG_DATA), "medusa": dict(steps=4000, **_CPU_LONG_DATA),
+                 "dflash": dict(steps=6000, **_CPU_LONG_DATA)},
     },
     "gpu": {
         "quick": {"eagle": dict(steps=600, lr=3e-4, num_prompts=512, teacher_forced=2048, **_GPU_DATA),
-                  "medusa": dict(steps=600, num_prompts=512, teacher_forced=2048, **_GPU_DATA)},
+                  "medusa": dict(steps=600, num_prompts=512, teacher_forced=2048, **_GPU_DATA),
+                  "dflash": dict(steps=600, lr=3e-4, anchors=512, num_prompts=512, teacher_forced=2048, **_GPU_DATA)},
         "long": {"eagle": dict(steps=3000, lr=3e-4, num_prompts=2048, teacher_forced=8192, **_GPU_DATA),
-                 "medusa": dict(steps=3000, num_prompts=2048, teacher_forced=8192, **_GPU_DATA)},
+                 "medusa": dict(steps=3000, num_prompts=2048, teacher_forced=8192, **_GPU_DATA),
+                 "dflash": dict(steps=3000, lr=3e-4, anchors=512, num_prompts=2048, teacher_forced=8192, **_GPU_DATA)},
     },
 }
 
@@ -57,7 +60,7 @@ def tier_for(base_dir: str | os.PathLike, device: Any) -> str:
 
 def settings_for(kind: str, preset: str = "quick", *, tier: str = "cpu", **overrides: Any) -> TrainSettings:
     if kind not in KINDS:
-        raise SpecDeployError(f"the spec stage trains medusa or eagle, not '{kind}'", hint="use --spec medusa|eagle")
+        raise SpecDeployError(f"the spec stage trains {', '.join(KINDS)}, not '{kind}'", hint=f"use --spec {'|'.join(KINDS)}")
     if preset not in PRESETS:
         raise SpecDeployError(f"unknown preset '{preset}'", hint=f"use one of {', '.join(PRESETS)}")
     base = TABLE[tier][preset][kind]

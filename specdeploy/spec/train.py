@@ -1,4 +1,4 @@
-"""Train a Medusa or EAGLE module (ModelOpt-converted model, base frozen) on cached
+"""Train a Medusa, EAGLE or DFlash module (ModelOpt-converted model, base frozen) on cached
 self-distillation data; checkpointed (safetensors) and resumable; writes the spec/ contract.
 
 Training runs on the stage's device: the base without its decoder layers (embeddings and lm_head:
@@ -25,8 +25,9 @@ from specdeploy.device import frozen_dtype, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
 from specdeploy.preflight import dtype_bytes
-from specdeploy.spec import (EAGLE_EXPORT, MODULE_FILE, SPEC_CONFIG, convert_model, load_module_weights, module_state_dict,
+from specdeploy.spec import (DFLASH_EXPORT, EAGLE_EXPORT, MODULE_FILE, SPEC_CONFIG, convert_model, load_module_weights, module_state_dict,
                              read_spec_config)
+from specdeploy.spec import dflash as dflash_spec
 from specdeploy.spec import eagle as eagle_spec
 from specdeploy.spec import medusa as medusa_spec
 from specdeploy.spec import memory
@@ -38,6 +39,7 @@ from specdeploy.spec.shards import DistillData, ShardedData
 Data = DistillData | ShardedData  # in memory (tests) or on disk (the stage): the same interface
 
 AUTOCAST = os.environ.get("SPECDEPLOY_TRAIN_AUTOCAST", "1") == "1"
+KINDS = ("medusa", "eagle", "dflash")
 MEDUSA_TREE: list[list[int]] = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
@@ -61,19 +63,24 @@ class TrainSettings:
     eagle_layers: int = 1
     draft_vocab: int = eagle_spec.DEFAULT_DRAFT_VOCAB
     ttt_steps: int = 3
+    block_size: int = dflash_spec.DEFAULT_BLOCK_SIZE  # DFlash: the pending token + block_size - 1 drafts
+    anchors: int = 64  # DFlash: blocks trained per window
     checkpoint_every: int = 50
     seed: int = 0
     choices: list[list[int]] | None = None
 
     def validate(self) -> None:
-        if self.kind not in ("medusa", "eagle"):
-            raise SpecDeployError(f"unknown spec kind '{self.kind}'", hint="use --spec medusa or --spec eagle")
+        if self.kind not in KINDS:
+            raise SpecDeployError(f"unknown spec kind '{self.kind}'", hint=f"use --spec {'|'.join(KINDS)}")
         if self.num_prompts < 0 or self.teacher_forced < 0 or self.num_prompts + self.teacher_forced == 0:
             raise SpecDeployError("no training data: num-prompts and teacher-forced are both 0 (or negative)",
                                   hint="e.g. --num-prompts 128 (generated answers) and/or --teacher-forced 256")
-        for name in ("steps", "batch_size", "window", "max_new_tokens", "tf_max_tokens", "medusa_heads", "eagle_layers", "ttt_steps"):
+        for name in ("steps", "batch_size", "window", "max_new_tokens", "tf_max_tokens", "medusa_heads", "eagle_layers", "ttt_steps", "anchors"):
             if getattr(self, name) <= 0:
                 raise SpecDeployError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}", hint="pass a positive value")
+        if self.block_size < 2 or (self.kind == "dflash" and dflash_spec.crop(self.window, self.block_size) == 0):
+            raise SpecDeployError(f"block-size must be >= 2 and <= window, got {self.block_size} (window {self.window})",
+                                  hint="a block is the pending token plus at least one draft, e.g. --block-size 4")
         if self.lr <= 0:
             raise SpecDeployError(f"lr must be positive, got {self.lr}", hint="e.g. --lr 1e-3")
         default_choices(self)  # raises a SpecDeployError naming the bad path
@@ -81,6 +88,9 @@ class TrainSettings:
 
 def default_choices(settings: TrainSettings) -> list[list[int]]:
     """The tree recorded in spec_config.json, validated against the module's depth."""
+    if settings.kind == "dflash":  # one block: a chain of block_size - 1 drafts
+        return validate_choices(settings.choices or [[0] * d for d in range(1, settings.block_size)],
+                                max_depth=settings.block_size - 1, name="dflash_choices").to_list()
     if settings.kind == "medusa":
         tree = settings.choices or [p for p in MEDUSA_TREE if len(p) <= settings.medusa_heads]
         name, depth = "medusa_choices", settings.medusa_heads
@@ -97,6 +107,9 @@ def data_layers(num_layers: int) -> list[int]:
 def _modelopt_config(settings: TrainSettings, base_config: Any, offline: bool) -> dict[str, Any]:
     if settings.kind == "medusa":
         return medusa_spec.modelopt_config(settings.medusa_heads, settings.medusa_layers)
+    if settings.kind == "dflash":
+        return dflash_spec.modelopt_config(base_config, block_size=settings.block_size, anchors=settings.anchors,
+                                           offline=offline)
     return eagle_spec.modelopt_config(
         base_config, draft_vocab_size=settings.draft_vocab, num_layers=settings.eagle_layers,
         ttt_steps=settings.ttt_steps, offline=offline,
@@ -114,9 +127,12 @@ def _batch(data: Data, settings: TrainSettings, gen: torch.Generator, fixed: dic
                 "tokens": fixed["tokens"], "sample_ids": fixed["sample_ids"], "vocab_ids": fixed["vocab_ids"]}
     n = len(data.tokens)
     window = min(settings.window, n)
+    if settings.kind == "dflash":
+        window = dflash_spec.crop(window, settings.block_size)
     starts = parallel.split(torch.randint(0, n - window + 1, (settings.batch_size,), generator=gen)).tolist()
     rows = [slice(s, s + window) for s in starts]
     return {
+        "seed": int(torch.randint(2**62, (), generator=gen)) + parallel.rank,  # DFlash's anchors
         "tokens": torch.stack([data.tokens[r] for r in rows]).to(device),
         "valid": torch.stack([data.valid[r] for r in rows]).to(device),
         "hidden": {k: torch.stack([v[r] for r in rows]).to(device) for k, v in data.hidden.items()},
@@ -152,8 +168,10 @@ def build_training_model(base_dir: Path, settings: TrainSettings, data: Data, *,
     config = _modelopt_config(settings, base_config, offline=True)
     convert_model(model, settings.kind, config)
     # ModelOpt gives the module the base's dtype (bf16 on a GPU): train fp32 master weights
-    (model.medusa_heads if settings.kind == "medusa" else model.eagle_module).float()
-    if settings.kind == "medusa":
+    _module(model, settings.kind).float()
+    if settings.kind == "dflash":
+        online, extra = dflash_spec.online_config(config), {"block_size": settings.block_size}
+    elif settings.kind == "medusa":
         medusa_spec.init_module(model)
         online = config
         d2t, coverage = eagle_spec.draft_vocab(data.tokens, data.valid, min(settings.draft_vocab, base_config.vocab_size), base_config.vocab_size)
@@ -166,8 +184,15 @@ def build_training_model(base_dir: Path, settings: TrainSettings, data: Data, *,
         eagle_spec.use_draft_vocab_logits(model)
         extra = {"draft_vocab_size": size, "draft_vocab_coverage": round(coverage, 4)}
         online = eagle_spec.online_config(config)
-    extra["hidden_layers"] = medusa_spec.hidden_layers(num_layers) if settings.kind == "medusa" else eagle_spec.hidden_layers(num_layers)
+    extra["hidden_layers"] = HIDDEN_LAYERS[settings.kind](num_layers)
     return model, online, extra
+
+
+HIDDEN_LAYERS = {"medusa": medusa_spec.hidden_layers, "eagle": eagle_spec.hidden_layers, "dflash": dflash_spec.hidden_layers}
+
+
+def _module(model: Any, kind: str) -> torch.nn.Module:
+    return {"medusa": lambda: model.medusa_heads, "eagle": lambda: model.eagle_module, "dflash": lambda: model.dflash_module}[kind]()
 
 
 def _step(model: Any, settings: TrainSettings, batch: dict, num_layers: int, device: torch.device) -> tuple[torch.Tensor, list[float]]:
@@ -175,6 +200,8 @@ def _step(model: Any, settings: TrainSettings, batch: dict, num_layers: int, dev
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=AUTOCAST):
         if settings.kind == "medusa":
             return medusa_spec.training_step(model, batch)
+        if settings.kind == "dflash":
+            return dflash_spec.training_step(model, batch, num_layers)
         return eagle_spec.training_step(model, batch, num_layers, eagle_spec.hidden_layers(num_layers))
 
 
@@ -210,7 +237,7 @@ def fit(base_dir: str | Path, settings: TrainSettings, *, data: Data | None = No
     if settings.kind == "medusa":
         params = medusa_spec.trainable(model, settings.medusa_train_lm_head)
     else:
-        params = eagle_spec.trainable(model)
+        params = (dflash_spec if settings.kind == "dflash" else eagle_spec).trainable(model)
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     ckpt = Path(ckpt_dir) if ckpt_dir else None
     fixed = _fixed(data, settings, extra, num_layers, device)
@@ -322,24 +349,33 @@ def _write_spec(fitted: Fitted, out_dir: Path, settings: TrainSettings, base_dir
         "choices": default_choices(settings), "base_model": str(base_dir), "training": fitted.stats, **fitted.extra,
     }
     atomic_write_json(out_dir / SPEC_CONFIG, config)
-    if settings.kind == "eagle":
-        export_eagle(base_dir, out_dir, device=device, trust_remote_code=trust_remote_code)
+    if settings.kind in EXPORTS:
+        export_draft(base_dir, out_dir, device=device, trust_remote_code=trust_remote_code)
 
 
-def export_eagle(base_dir: Path, spec_dir: Path, *, device: Any = "auto", trust_remote_code: bool = False) -> Path:
-    """ModelOpt's export_speculative_decoding of the trained module, from a fresh fp32 model. The
-    export copies the module's weights and config only, so the base's decoder layers are not
-    loaded (the same files as from the whole base: checked in tests)."""
+EXPORTS = {"eagle": EAGLE_EXPORT, "dflash": DFLASH_EXPORT}  # the kinds ModelOpt's HF export covers
+
+
+def export_draft(base_dir: Path, spec_dir: Path, *, device: Any = "auto", trust_remote_code: bool = False) -> Path:
+    """ModelOpt's export_speculative_decoding of the trained EAGLE or DFlash module, from a fresh
+    fp32 model. The export copies the module's weights and config only, so the base's decoder
+    layers are not loaded (the same files as from the whole base: checked in tests)."""
     from modelopt.torch.export import export_speculative_decoding
 
     config = read_spec_config(spec_dir)
+    kind = config["kind"]
     model = load_offline_base(base_dir, torch.float32, device=resolve_device(device), trust_remote_code=trust_remote_code)
-    convert_model(model, "eagle", {**config["modelopt_config"], "eagle_offline": True})
-    load_module_weights(model, "eagle", spec_dir)
-    tmp = spec_dir / f".{EAGLE_EXPORT}.partial"
+    convert_model(model, kind, {**config["modelopt_config"], f"{kind}_offline": True})
+    load_module_weights(model, kind, spec_dir)
+    tmp = spec_dir / f".{EXPORTS[kind]}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     export_speculative_decoding(model.eval(), export_dir=str(tmp))
-    final = spec_dir / EAGLE_EXPORT
+    if kind == "dflash":  # ModelOpt writes the base's num_hidden_layers: 0 on a model without its layers
+        exported = json.loads((tmp / "config.json").read_text())
+        atomic_write_json(tmp / "config.json", {**exported, "num_target_layers": model.config.num_orig_hidden_layers})
+    final = spec_dir / EXPORTS[kind]
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
+
+

@@ -48,6 +48,7 @@ from specdeploy.trtllm.llmapi import DraftStructure
 
 STAGE = "package"
 OUT = "triton_repo"
+TRAINED = ("medusa", "eagle", "dflash")  # kinds whose deployment reads the spec stage's spec/ folder
 ROUTES_FILE = "gpu_routes.json"
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
 SERVE_DTYPES = ("auto", "float32", "float64", "bfloat16")
@@ -255,13 +256,15 @@ def _medusa_tree(spec_dir: Path, choices: Any) -> ChoicesTree | None:
     return _tree(choices)
 
 
-def _structure(kind: str, converted: dict[str, Any] | None, max_draft_len: int | None) -> DraftStructure | None:
-    """The drafting the convert stage named for the GPU host (or, without one, a chain)."""
+def _structure(kind: str, converted: dict[str, Any] | None, max_draft_len: int | None,
+               block_size: int | None = None) -> DraftStructure | None:
+    """The drafting the convert stage named for the GPU host (or, without one, a chain: DFlash's
+    whole block)."""
     if kind in ("none", "medusa"):
         return None
     recorded = (converted or {}).get("structure")
     if recorded is None:
-        return DraftStructure.make("chain", max_draft_len or 4)
+        return DraftStructure.make("chain", max_draft_len or (block_size - 1 if block_size else 4))
     structure = DraftStructure(**recorded)
     if max_draft_len is not None and max_draft_len != structure.max_draft_len:
         raise SpecDeployError(f"max_draft_len {max_draft_len} differs from the {structure.mode} of {structure.max_draft_len} "
@@ -289,7 +292,7 @@ def deployment_json(base: Path, root: Path, model_dir: Path, dtype: str, device:
         "device": device,
         "spec": {
             "kind": kind,
-            "path": _local(spec_dir, base, root) if kind in ("medusa", "eagle") and spec_dir.exists() else None,
+            "path": _local(spec_dir, base, root) if kind in TRAINED and spec_dir.exists() else None,
             "choices": choices,
             "draft_model_dir": _local(draft_model_dir, base, root) if draft_model_dir else None,
             "adaptive": adaptive,
@@ -298,7 +301,16 @@ def deployment_json(base: Path, root: Path, model_dir: Path, dtype: str, device:
     }
 
 
-def _cpu_options(kind: str, structure: DraftStructure | None, tree: ChoicesTree | None, converted: dict | None) -> dict[str, Any]:
+def _dflash_block(spec_dir: Path) -> int | None:
+    """The block size the spec stage trained DFlash with (spec/spec_config.json)."""
+    config = spec_dir / "spec_config.json"
+    return json.loads(config.read_text()).get("block_size") if config.is_file() else None
+
+
+def _cpu_options(kind: str, structure: DraftStructure | None, tree: ChoicesTree | None, converted: dict | None,
+                 block_size: int | None = None) -> dict[str, Any]:
+    if kind == "dflash":
+        return {**structure.runtime_options(kind), "block_size": block_size}
     if kind == "medusa":
         return {"max_draft_len": tree.num_nodes if tree else None}
     if structure is None:
@@ -407,7 +419,7 @@ def run(
     if spec == "medusa":
         tree = tree or _medusa_tree(spec_dir, None)
     converted = _convert_summary(build)
-    structure = _structure(spec, converted, max_draft_len)
+    structure = _structure(spec, converted, max_draft_len, _dflash_block(spec_dir) if spec == "dflash" else None)
     draft = _draft_dir(spec, converted, draft_model_dir, spec_dir, build.root)
     settings = {
         "spec": spec, "choices": tree.to_list() if tree else None, "structure": structure.as_dict() if structure else None,
@@ -442,7 +454,9 @@ def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tr
     final = root / OUT  # where tmp lands: relative paths are computed against it
     deployment = deployment_json(final / "cpu" / "tensorrt_llm" / "1", root, model_dir, settings["dtype"], settings["device"],
                                  kind, spec_dir, choices=tree.to_list() if tree else None,
-                                 options=_cpu_options(kind, structure, tree, converted), draft_model_dir=draft,
+                                 options=_cpu_options(kind, structure, tree, converted,
+                                                      _dflash_block(spec_dir) if kind == "dflash" else None),
+                                 draft_model_dir=draft,
                                  adaptive=settings["adaptive"])
     write_cpu_repo(tmp / "cpu", deployment, os.path.relpath(tokenizer, final / "cpu" / "preprocessing"), limits,
                    max_batch_size=settings["cpu_max_batch_size"], tree=tree)

@@ -47,7 +47,7 @@ from specdeploy.trtllm.source import HFSource, load_hf_source
 from specdeploy.trtllm.weights import kv_rep, layer_rank, pad_rows, slice_role, unquantized_linears
 
 STAGE, OUT = "convert", "trtllm_ckpt"
-KINDS = ("none", "medusa", "eagle", "draft", "ngram")
+KINDS = ("none", "medusa", "eagle", "dflash", "draft", "ngram")
 DEFAULT_DRAFT_LEN = 4  # EAGLE-3 chain / draft-target / n-gram drafts per step when nothing says otherwise
 DRAFT_MODEL = "draft_model"  # draft-target: the draft's HF folder, carried inside the build
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,7 +75,7 @@ def load_spec(spec_dir: str | Path | None, *, kind: str | None = None, draft_mod
     if kind not in KINDS:
         raise SpecDeployError(f"unknown spec kind {kind!r}", hint=f"one of {', '.join(KINDS)}")
     spec = SpecInput(kind=kind, config=config, max_draft_len=max_draft_len or config.get("max_draft_len"))
-    if kind in ("medusa", "eagle"):
+    if kind in ("medusa", "eagle", "dflash"):
         module_file = Path(spec_dir or ".") / "module.safetensors"
         if not module_file.exists():
             raise SpecDeployError(f"{module_file} not found", hint="run `specdeploy spec` first: it writes the trained module there")
@@ -291,6 +291,8 @@ def engine_refusal(kind: str, version: str | None = None) -> str | None:
     if kind == "eagle":
         return ("the engine flow runs EAGLE-1/2 (EagleForCausalLM) only, and the spec stage trains EAGLE-3, which only "
                 "the LLM API runs")
+    if kind == "dflash":
+        return "DFlash runs on the LLM API only (DFlashDecodingConfig supports the pytorch backend alone, 1.3+)"
     if kind == "ngram":
         return ("an engine-flow n-gram target expects external draft tokens and nothing in the Triton engine repository "
                 "supplies them: it would serve plain decoding (the LLM API's NGram drafts inside TensorRT-LLM)")
@@ -298,7 +300,9 @@ def engine_refusal(kind: str, version: str | None = None) -> str | None:
 
 
 def external_draft_len(spec: SpecInput) -> int:
-    return int(spec.max_draft_len or DEFAULT_DRAFT_LEN)
+    """--max-draft-len, else DFlash's whole block (block_size - 1 drafts), else the default chain."""
+    block = (spec.config or {}).get("block_size") if spec.kind == "dflash" else None
+    return int(spec.max_draft_len or (block - 1 if block else DEFAULT_DRAFT_LEN))
 
 
 def convert_all(model_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, spec: SpecInput | None = None) -> dict[str, Any]:

@@ -37,6 +37,17 @@ LLM API (PyTorch backend: trtllm-serve --config, Triton's `llmapi` model), per r
   and will be removed in release 1.4" (PR #11761), two-model EAGLE-3 deprecated, dynamic tree in
   the PyTorch backend (PRs #12062/#13081, April 2026): use_dynamic_tree, dynamic_tree_max_topK,
   max_total_draft_tokens in [max_draft_len, topK * max_draft_len].
+- DFlash: the 1.3-line llm_args.py (index file id 55143598664, ~char 110,000) has
+  DFlashDecodingConfig(DecodingBaseConfig): decoding_type Literal["DFlash"], mask_token_id and
+  target_layer_ids (both default to the draft folder's dflash_config), max_total_draft_tokens =
+  max_draft_len (a chain), supports_backend == "pytorch" only (no engine flow), K + 1 tokens per
+  step; the draft comes as speculative_model. The 1.2-line file's SpeculativeConfig union (index
+  file id 7019226376, ~char 70,700) ends at PARDDecodingConfig, AutoDecodingConfig: no DFlash, so
+  1.2 is refused. 1.4 (main) is taken to keep the 1.3 class (not re-read for DFlash).
+  The draft folder is ModelOpt 0.47's DFlash export (modelopt/torch/export/plugins/
+  hf_spec_export.py, DFlashExporter: config.json `architectures: [DFlashDraftModel]`, block_size,
+  dflash_config {mask_token_id, target_layer_ids}, num_target_layers; model.safetensors), the
+  z-lab format that TensorRT-LLM and vLLM (`dflash_config`) read.
 - 1.4 (main): llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412 (eagle3_one_model=False is
   ignored, same Eagle3/Draft_Target/NGram fields), then PR #18210 (merged 2026-08-26) removed
   eagle_choices: a config carrying it fails validation.
@@ -122,7 +133,8 @@ EAGLE_FIELDS_MAIN = frozenset({
     "max_non_leaves_per_layer", "eagle3_one_model", "eagle3_layers_to_capture", "eagle3_model_arch",
 })
 NGRAM_FIELDS = frozenset({"max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool"})
-DECODING_TYPES = {"eagle": "Eagle3", "draft": "Draft_Target", "ngram": "NGram"}
+DFLASH_FIELDS = frozenset({"mask_token_id", "target_layer_ids"})
+DECODING_TYPES = {"eagle": "Eagle3", "draft": "Draft_Target", "ngram": "NGram", "dflash": "DFlash"}
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,7 @@ class Release:
     dynamic_tree: bool  # EAGLE-3 dynamic tree in the PyTorch backend
     static_tree: str  # eagle_choices: "discouraged" | "deprecated" | "removed"
     eagle_fields: frozenset[str]
+    dflash: bool  # DFlashDecodingConfig (PyTorch backend)
 
     @property
     def name(self) -> str:
@@ -142,17 +155,17 @@ class Release:
 
     def fields(self, decoding_type: str) -> frozenset[str]:
         """The keys a speculative_config of that type may carry in this release."""
-        extra = {"Eagle3": self.eagle_fields, "NGram": NGRAM_FIELDS}.get(decoding_type, frozenset())
+        extra = {"Eagle3": self.eagle_fields, "NGram": NGRAM_FIELDS, "DFlash": DFLASH_FIELDS}.get(decoding_type, frozenset())
         return DECODING_BASE_FIELDS | extra
 
 
 RELEASES = {
     (1, 2): Release((1, 2), "llm_args.py, 1.2-line version (index file id 7019226376)", "deprecated", False,
-                    "discouraged", EAGLE_FIELDS_MAIN | {"eagle_choices"}),
+                    "discouraged", EAGLE_FIELDS_MAIN | {"eagle_choices"}, False),
     (1, 3): Release((1, 3), "llm_args.py, 1.3-line version (index file id 55143598664)", "deprecated", True,
-                    "deprecated", EAGLE_FIELDS_MAIN | {"eagle_choices"}),
+                    "deprecated", EAGLE_FIELDS_MAIN | {"eagle_choices"}, True),
     (1, 4): Release((1, 4), "llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412 + PR #18210", "removed", True,
-                    "removed", EAGLE_FIELDS_MAIN),
+                    "removed", EAGLE_FIELDS_MAIN, True),
 }
 DEFAULT_TRTLLM_VERSION = "1.2.1"  # the newest release published (PyPI, NVIDIA's Triton container)
 

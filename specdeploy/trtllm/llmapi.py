@@ -1,7 +1,8 @@
 """The LLM-API route (TensorRT-LLM >= 1.2, PyTorch backend): no engines, the HF checkpoint
 (ModelOpt's unified quantized export included) loads directly into `trtllm-serve --config` or
-Triton's `llmapi` model. Speculative decoding there: EAGLE-3, draft-target and n-gram (not
-Medusa, not EAGLE-1/2); field sets and release differences are in formats.py with their sources.
+Triton's `llmapi` model. Speculative decoding there: EAGLE-3, DFlash (1.3+), draft-target and
+n-gram (not Medusa, not EAGLE-1/2); field sets and release differences are in formats.py with
+their sources.
 
 What is written depends on the release line the GPU host runs (`--trtllm-version`):
 - EAGLE-3 drafts a chain (`max_draft_len`) by default; TRT-LLM's dynamic tree
@@ -11,6 +12,9 @@ What is written depends on the release line the GPU host runs (`--trtllm-version
 - `eagle3_layers_to_capture` is written explicitly: TRT-LLM's default {1, n//2-1, n-4} is a
   set, so on a shallow base it collapses and no longer matches the module's fc width.
 - The EAGLE-3 draft folder carries its layer as `midlayer.*` (every loader accepts it).
+- DFlash drafts a chain of at most block_size - 1 tokens in one forward; its draft folder is the
+  spec stage's ModelOpt export (spec/dflash_export), and mask_token_id / target_layer_ids are
+  written explicitly as the module was trained.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ MODES = ("chain", "dynamic")
 NGRAM_DEFAULTS = {"max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": False, "is_public_pool": False}
 MAX_RUNTIME_DEPTH = 8  # the CPU runtime's EAGLE proposer drafts at most this deep (runtime/proposers/eagle.py)
 DRAFT_FOLDER = "eagle3_draft"
+DFLASH_FOLDER = "dflash_draft"
 
 
 def add_trtllm_version_arg(parser: Any) -> None:
@@ -91,6 +96,9 @@ class DraftStructure:
 
 def check_structure(kind: str, structure: DraftStructure, release: Release) -> None:
     """Refuse a structure the release (or the CPU runtime beside it) cannot run."""
+    if kind == "dflash" and not release.dflash:
+        raise SpecDeployError(f"TensorRT-LLM {release.name} has no DFlash (DFlashDecodingConfig arrived in the 1.3 line)",
+                              hint="pass --trtllm-version 1.3 or 1.4 for a host that runs it")
     if structure.mode == "dynamic" and kind != "eagle":
         raise SpecDeployError(f"a dynamic tree is EAGLE-3 only, not {kind}", hint="use the default chain")
     if structure.mode == "dynamic" and not release.dynamic_tree:
@@ -109,6 +117,8 @@ def refusal(kind: str, quant_algo: str | None, release: Release | None) -> str |
     if kind not in (*DECODING_TYPES, "none"):
         return (f"TensorRT-LLM's PyTorch backend has no {kind} speculative decoding (MedusaDecodingConfig does not "
                 "support the pytorch backend; EAGLE-1/2 drafts are incompatible with Eagle3)")
+    if kind == "dflash" and not release.dflash:
+        return f"TensorRT-LLM {release.name} has no DFlash speculative decoding (DFlashDecodingConfig arrived in the 1.3 line)"
     if quant_algo == "W8A8_SQ_PER_CHANNEL":
         return ("the PyTorch backend has no INT8 SmoothQuant (W8A8-SQ) method ('unsupported quant mode'); "
                 "an INT8 SQ checkpoint runs on the engine flow only")
@@ -116,15 +126,16 @@ def refusal(kind: str, quant_algo: str | None, release: Release | None) -> str |
 
 
 def speculative_config(kind: str, structure: DraftStructure, release: Release, *, draft: str | None = None,
-                       layers_to_capture: list[int] | None = None, ngram: dict[str, Any] | None = None) -> dict[str, Any]:
+                       layers_to_capture: list[int] | None = None, ngram: dict[str, Any] | None = None,
+                       dflash: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `speculative_config` mapping of one kind for one release line; only keys it accepts."""
     if kind not in DECODING_TYPES:
         raise SpecDeployError(f"TensorRT-LLM's LLM-API route has no speculative decoding for {kind!r}",
-                              hint="it runs EAGLE-3 (eagle), draft-target (draft) and n-gram (ngram); Medusa needs the "
+                              hint="it runs EAGLE-3 (eagle), DFlash (dflash), draft-target (draft) and n-gram (ngram); Medusa needs the "
                                    "engine flow (`specdeploy convert --route engine`, TensorRT-LLM < 1.4)")
     check_structure(kind, structure, release)
     config: dict[str, Any] = {"decoding_type": DECODING_TYPES[kind], **structure.trtllm_fields()}
-    if kind in ("eagle", "draft"):
+    if kind in ("eagle", "draft", "dflash"):
         if draft is None:
             raise SpecDeployError(f"{DECODING_TYPES[kind]} needs a draft model folder")
         config["speculative_model"] = draft
@@ -132,6 +143,8 @@ def speculative_config(kind: str, structure: DraftStructure, release: Release, *
         config["eagle3_layers_to_capture"] = sorted(layers_to_capture)
     if kind == "ngram":
         config.update({**NGRAM_DEFAULTS, **(ngram or {})})
+    if kind == "dflash":
+        config.update(dflash or {})
     unknown = set(config) - release.fields(config["decoding_type"])
     if unknown:  # the config models forbid unknown keys: never write one the release rejects
         raise SpecDeployError(f"TensorRT-LLM {release.name} does not accept {sorted(unknown)} in speculative_config")
@@ -165,6 +178,35 @@ def llm_args(spec_cfg: dict[str, Any] | None, *, tp: int, pp: int, max_batch_siz
 def model_yaml(model: str, args: dict[str, Any], *, decoupled: bool) -> dict[str, Any]:
     """Triton `llmapi` model.yaml: the model, the LLM() arguments and triton_config."""
     return {"model": model, **args, "triton_config": {"max_batch_size": 0, "decoupled": decoupled}}
+
+
+# ------------------------------------------------------------------------------ DFlash draft
+
+
+def dflash_fields(spec: Any, structure: DraftStructure) -> dict[str, Any]:
+    """mask_token_id and target_layer_ids as the module was trained; a chain within one block."""
+    config = (spec.config or {}).get("modelopt_config") or {}
+    layers = (config.get("dflash_architecture_config") or {}).get("target_layer_ids")
+    if config.get("dflash_mask_token_id") is None or not layers:
+        raise SpecDeployError("spec_config.json names no dflash_mask_token_id / target_layer_ids",
+                              hint="re-run `specdeploy spec --spec dflash`: it records both")
+    block = int(config.get("dflash_block_size") or spec.config.get("block_size"))
+    if structure.mode != "chain" or structure.max_draft_len > block - 1:
+        raise SpecDeployError(f"DFlash drafts a chain of at most block_size - 1 = {block - 1} tokens, not "
+                              f"{structure.as_dict()}", hint=f"use --max-draft-len <= {block - 1} (a chain)")
+    return {"mask_token_id": int(config["dflash_mask_token_id"]), "target_layer_ids": [int(i) for i in layers]}
+
+
+def dflash_draft(spec_dir: Path | None, out: Path) -> Path:
+    """out/dflash_draft: the spec stage's ModelOpt export (config.json with dflash_config + weights)."""
+    ready = Path(spec_dir or ".") / "dflash_export"
+    if spec_dir is None or not ((ready / "config.json").is_file() and list(ready.glob("*.safetensors"))):
+        raise SpecDeployError(f"DFlash on the LLM-API route needs the spec stage's export ({ready})",
+                              hint="re-run `specdeploy spec --spec dflash`: it writes spec/dflash_export")
+    final = out / DFLASH_FOLDER
+    shutil.rmtree(final, ignore_errors=True)
+    shutil.copytree(ready, final)
+    return final
 
 
 # ------------------------------------------------------------------------------ EAGLE-3 draft
@@ -261,15 +303,19 @@ def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, structure: Draf
     spec_cfg = None
     if spec.kind != "none":
         draft: str | None = None
-        capture = None
+        capture = dflash = None
         if spec.kind == "eagle":
             eagle3_draft(spec, spec_dir, base_dir or Path(model_dir), out)
             draft = build_path((published or out) / DRAFT_FOLDER, root)
             capture = layers_to_capture(spec)
+        elif spec.kind == "dflash":
+            dflash = dflash_fields(spec, structure)
+            dflash_draft(spec_dir, out)
+            draft = build_path((published or out) / DFLASH_FOLDER, root)
         elif spec.kind == "draft":
             draft = build_path(spec.draft_dir, root)
         spec_cfg = speculative_config(spec.kind, structure, release, draft=draft, layers_to_capture=capture,
-                                      ngram=(spec.config or {}).get("ngram"))
+                                      ngram=(spec.config or {}).get("ngram"), dflash=dflash)
     atomic_write_text(out / "speculative_config.yaml", yaml.safe_dump(llm_options(spec_cfg), sort_keys=False))
     summary = {"route": "llmapi", "kind": spec.kind, "release": release.name, "structure": structure.as_dict(),
                "speculative_config": spec_cfg, "model": build_path(model_dir, root)}
