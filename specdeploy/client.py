@@ -159,10 +159,11 @@ class TritonLLMClient:
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
         started = time.perf_counter()
         chunks, perf, first = [], {}, 0.0
+        deadline, finished = time.monotonic() + self.timeout_s, False
         try:
             self._client.async_stream_infer(self.model, self._build_inputs(request, stream), enable_empty_final_response=True)
             while True:
-                result, error = responses.get(timeout=self.timeout_s)
+                result, error = responses.get(timeout=max(deadline - time.monotonic(), 0.0))
                 if error is not None:
                     raise SpecDeployError(f"the server rejected the request: {error.message()}", hint="see the message above")
                 text = _text_of(result)
@@ -173,11 +174,15 @@ class TritonLLMClient:
                         on_text(text)
                 perf.update(_perf_of(result))
                 if result.get_response().parameters["triton_final_response"].bool_param:
+                    finished = True
                     break
         except queue.Empty as err:
-            raise SpecDeployError(f"no response within {self.timeout_s:.0f} s", hint="raise --timeout or check the server log") from err
+            raise SpecDeployError(f"no complete answer within {self.timeout_s:g} s (request cancelled)",
+                                  hint="raise --timeout or check the server log") from err
         finally:
-            self._client.stop_stream()
+            # a timeout, an error or Ctrl-C cancels the request on the server: without it, closing
+            # the stream waits for the whole generation
+            self._client.stop_stream(cancel_requests=not finished)
         return Completion("".join(chunks), chunks, perf, time.perf_counter() - started, first)
 
     def _http_infer(self, request: Request) -> Completion:
@@ -268,7 +273,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop-word", action="append", default=[], help="repeatable")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a response")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the whole answer; then the request is cancelled")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -136,6 +136,10 @@ class Decoder:
         return text, result
 
 
+# how a draft model drafts (proposers/draft.py): deployment.json spec keys passed through
+DRAFT_OPTIONS = ("head_rows", "stop_below", "draft_quant")
+
+
 def _local_path(base: Path, value: str) -> Path:
     path = Path(value).expanduser()
     return path if path.is_absolute() else base / path
@@ -150,7 +154,7 @@ def make_proposer(spec: dict[str, Any], target: Any, tokenizer: Any, base: Path 
         if not spec.get("draft_model_dir"):
             raise SpecDeployError("spec kind 'draft' needs spec.draft_model_dir", hint="re-run the package stage")
         draft_dir = _local_path(base, spec["draft_model_dir"])
-        options = {key: spec[key] for key in ("head_rows", "stop_below") if spec.get(key) is not None}
+        options = {key: spec[key] for key in DRAFT_OPTIONS if spec.get(key) is not None}
         return build_proposer("draft", target, draft_model_dir=str(draft_dir), tokenizer=tokenizer, **options)
     if kind == "ngram":
         options = {key: spec[key] for key in ("max_ngram", "min_ngram") if key in spec}
@@ -176,6 +180,20 @@ def deployment_device(config: dict[str, Any], path: Path, override: str | torch.
     return resolve_device(str(spec))
 
 
+def check_no_sliding_window(config: Any, path: Path) -> None:
+    """Speculative verification feeds several tokens per step through a KV cache the runtime
+    trims and extends itself; a sliding-window attention cache breaks that, so refuse at load
+    instead of failing at the first speculative round."""
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None) or 0
+    if window and getattr(config, "use_sliding_window", True) and (not context or window < context):
+        raise SpecDeployError(
+            f"{path}: the model uses sliding-window attention (sliding_window={window}, context {context}), "
+            "which specdeploy's speculative runtime does not support",
+            hint="package it with --spec none (plain decoding), or serve it with TensorRT-LLM on a GPU host",
+        )
+
+
 def load_decoder(path: str | Path, device: str | torch.device | None = None) -> Decoder:
     """A Decoder from deployment.json: {"model_dir", "dtype", "device", "spec": {"kind", "adaptive", ...}}.
 
@@ -197,6 +215,8 @@ def load_decoder(path: str | Path, device: str | torch.device | None = None) -> 
               "and far slower on a GPU (`package --dtype bfloat16`, `engine --serve-dtype bfloat16`)", file=sys.stderr)
     target, tokenizer = load_model(_local_path(path.parent, config["model_dir"]), dtype, where)
     spec = config.get("spec") or {}
+    if (spec.get("kind") or "none") != "none":
+        check_no_sliding_window(target.config, path)
     return Decoder(
         target,
         tokenizer,

@@ -298,6 +298,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "1 is steadier on a busy shared machine")
 
 
+class _Interrupted(BaseException):
+    """SIGINT/SIGTERM while the server loads (a BaseException: nothing on the way swallows it)."""
+
+
 def main(args: argparse.Namespace) -> int:
     from specdeploy.manifest import build_from_args
 
@@ -308,14 +312,24 @@ def main(args: argparse.Namespace) -> int:
         host=args.host, log_path=build.root / "logs" / "tritonserver.log",
         tritonserver=args.tritonserver, ready_timeout=args.ready_timeout, threads=args.threads,
     )
-    stopping = []
+    stopping: list[int] = []
+    starting = [True]
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stopping.append(signum)
+        if starting:  # loading can take minutes: interrupt start(), which stops the server and cleans shm
+            starting.clear()  # once: a second signal must not interrupt that cleanup
+            raise _Interrupted(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server.start()
+    try:
+        server.start()
+        starting.clear()
+    except _Interrupted as stop:
+        server.stop()  # start() stopped it already, unless the signal came just after it returned
+        print(f"tritonserver stopped before it was ready ({signal.Signals(stop.args[0]).name})", flush=True)
+        return 0
     print(f"tritonserver ready (pid {server.pid}): HTTP {server.http_url}, gRPC {server.grpc_url}, "
           f"metrics {server.metrics_url}; log {server.log_path}. Ctrl-C stops it.", flush=True)
     return _wait(server, stopping)

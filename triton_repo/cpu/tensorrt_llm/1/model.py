@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import locale
+import math
 import time
 import traceback
 from pathlib import Path
@@ -60,6 +61,12 @@ def _word_sequences(request, name: str) -> list[list[int]]:
     data = tensor.as_numpy().reshape(-1, 2, tensor.as_numpy().shape[-1])[0]
     ids, ends = data[0].tolist(), [int(e) for e in data[1] if e >= 0]
     return [ids[start:end] for start, end in zip([0] + ends[:-1], ends) if end > start]
+
+
+def _finite(value, name: str) -> float:
+    if not math.isfinite(float(value)):
+        raise BadRequest(f"{name} must be a finite number, got {value}")
+    return float(value)
 
 
 # sampling knobs the specdeploy runtime does not implement: a request that sets one to anything but its
@@ -126,9 +133,12 @@ class TritonPythonModel:
     def execute(self, requests):
         sinks = []
         for request in requests:
-            sink = _Sink(request, self.decoupled)
-            sinks.append(sink)
-            self._serve(request, sink)
+            try:
+                sink = _Sink(request, self.decoupled)
+                sinks.append(sink)
+                self._serve(request, sink)
+            except Exception:  # even the error path failed (a closed sender...): serve the others
+                pb_utils.Logger.log_error(f"specdeploy tensorrt_llm: {traceback.format_exc()}")
         return None if self.decoupled else [s.collected for s in sinks]
 
     def _serve(self, request, sink: _Sink) -> None:
@@ -182,20 +192,36 @@ class TritonPythonModel:
                 f"{self.context} tokens: ask for at most {max(self.context - prompt_len, 0)}"
             )
         self._check_unsupported(request)
-        end_id = _scalar(request, "end_id")
+        end_id = self._token_id(_scalar(request, "end_id"), "end_id")
         seed = _scalar(request, "seed")
-        stops = _word_sequences(request, "stop_words_list")
+        stop_ids, stop_strings = self._stops(_word_sequences(request, "stop_words_list"))
         params = SamplingParams(
             max_new_tokens=int(max_tokens),
-            temperature=float(_scalar(request, "temperature", 0.0)),
+            temperature=_finite(_scalar(request, "temperature", 0.0), "temperature"),
             top_k=int(_scalar(request, "runtime_top_k", 0)),
-            top_p=float(_scalar(request, "runtime_top_p", 1.0)),
+            top_p=_finite(_scalar(request, "runtime_top_p", 1.0), "top_p"),
             seed=None if seed is None else int(seed) & ((1 << 63) - 1),
-            stop_token_ids=() if end_id is None else (int(end_id),),
-            stop_strings=tuple(self.tokenizer.decode(s) for s in stops),
+            stop_token_ids=(() if end_id is None else (end_id,)) + stop_ids,
+            stop_strings=stop_strings,
         )
         params.validate()  # SpecDeployError: a clear message for the client
         return params
+
+    def _token_id(self, value, name: str) -> int | None:
+        vocab = len(self.tokenizer)
+        if value is not None and not 0 <= int(value) < vocab:
+            raise BadRequest(f"{name} {value} is outside the model's vocabulary of {vocab} tokens")
+        return None if value is None else int(value)
+
+    def _stops(self, words: list[list[int]]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Stop words as ids and strings: a single special token (<|im_end|>) stops on its id,
+        since the text the runtime matches stop strings against is decoded without specials."""
+        special = set(self.tokenizer.all_special_ids)
+        for token in {t for word in words for t in word}:
+            self._token_id(token, "a stop_words token id")
+        ids = tuple(w[0] for w in words if len(w) == 1 and w[0] in special)
+        strings = (self.tokenizer.decode(w, skip_special_tokens=True) for w in words if not (len(w) == 1 and w[0] in special))
+        return ids, tuple(s for s in strings if s)
 
     def _generate(self, request, sink: _Sink) -> None:
         arrival = time.time_ns()
@@ -204,7 +230,7 @@ class TritonPythonModel:
         streaming = bool(_scalar(request, "streaming", False)) and self.decoupled
         exclude = bool(_scalar(request, "exclude_input_in_output", self.exclude_input))
         stream = _Streamer(self.tokenizer, sink, request) if streaming else None
-        result = self.decoder.generate_ids(prompt, params, stream.on_tokens if stream else None)
+        result = self.decoder.generate_ids(prompt, params, stream.on_tokens if stream else _cancel_check(request))
         tokens = [] if streaming else (result.token_ids if exclude else prompt + result.token_ids)
         if stream:
             stream.flush()
@@ -217,9 +243,20 @@ class TritonPythonModel:
         self.decoder = None
 
 
+def _cancel_check(request):
+    """A non-streaming request's per-round callback: stop once the client cancelled."""
+
+    def check(group: list[int]) -> None:
+        if request.is_cancelled():
+            raise Cancelled()
+
+    return check
+
+
 class _Streamer:
     """Sends each accepted group at once; holds back tokens that end inside a UTF-8 character
-    so the postprocessing model (which decodes each response alone) never emits a broken one."""
+    so the postprocessing model (which decodes each response without the next one's bytes)
+    never emits a broken one."""
 
     def __init__(self, tokenizer, sink: _Sink, request) -> None:
         self.tokenizer = tokenizer

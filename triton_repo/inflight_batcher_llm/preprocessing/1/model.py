@@ -86,6 +86,10 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._preprocess(request)))
             except BadRequest as err:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err))))
+            except Exception as err:  # one bad request must not take the others' answers with it
+                pb_utils.Logger.log_error(f"specdeploy preprocessing: {type(err).__name__}: {err}")
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"preprocessing failed: {type(err).__name__}: {err}")))
         return responses
 
     def _encode(self, queries) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +98,7 @@ class TritonPythonModel:
             text = _text(query, "text_input")
             if not text:
                 raise BadRequest("text_input is empty: send the prompt text")
-            ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+            ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens and not self._has_bos(text))
             if self.max_input_len and len(ids) > self.max_input_len:
                 raise BadRequest(
                     f"text_input is {len(ids)} tokens, beyond the model's context of {self.max_input_len} tokens"
@@ -105,6 +109,12 @@ class TritonPythonModel:
         for b, row in enumerate(rows):
             ids[b, : len(row)] = row
         return ids, lengths
+
+    def _has_bos(self, text: str) -> bool:
+        """A prompt already rendered by a chat template carries its BOS: adding another would
+        differ from training (apply_chat_template, no extra BOS) only when served."""
+        bos = self.tokenizer.bos_token
+        return bool(bos) and text.startswith(bos)
 
     def _check_output_len(self, output_len: np.ndarray, input_len: np.ndarray) -> None:
         for out_len, in_len in zip(output_len.reshape(-1), input_len.reshape(-1)):

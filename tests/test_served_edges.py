@@ -1,0 +1,310 @@
+"""The edges of a real tokenizer served, and the server's own faults (issue 15, items 4, 6, 7).
+
+One module-scoped tritonserver serves a tiny Llama whose tokenizer is SentencePiece-like
+(Metaspace: a leading "▁" that decoding drops at the start of a text; a BOS added by
+add_special_tokens), drafting with itself so accepted groups hold several tokens. One generated
+token is marked special so a stop word that is a special token can be seen to fire."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from tritonclient.utils import InferenceServerException
+
+from specdeploy import models
+from specdeploy.client import Request, TritonLLMClient
+from specdeploy.errors import SpecDeployError
+from specdeploy.manifest import BuildDir
+from specdeploy.runtime.deployment import load_decoder
+from specdeploy.runtime.types import SamplingParams
+from specdeploy.triton import package
+from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions
+from tests.test_triton_server import http_post
+from tests.tiny import CORPUS, make_llama
+from tests.triton_raw import StreamClient
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The quick brown fox"
+STOP_AT = 3  # the generated token (by position) made special, to be the special stop word
+
+
+def metaspace_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    alphabet = sorted(set("".join(CORPUS)) | {"▁"})
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=alphabet))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    fast.save_pretrained(out)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny model; its STOP_AT-th greedy token is then declared a special token (same id)."""
+    out = tmp_path_factory.mktemp("metaspace_llama")
+    tokenizer = metaspace_tokenizer(out)
+    model = make_llama(out, tokenizer, hidden=128, layers=4, context=1024, seed=1)
+    # the runtime always stops at the model's EOS: make it BOS (never generated) so that a request
+    # with end_id=BOS runs to max_tokens (the cancellation test needs a long one)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(out)
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
+    with torch.no_grad():
+        new = model.generate(ids, max_new_tokens=STOP_AT + 1, do_sample=False)[0, ids.shape[1]:].tolist()
+    word = tokenizer.convert_ids_to_tokens(new[STOP_AT])
+    tokenizer.add_special_tokens({"additional_special_tokens": [word]})
+    assert tokenizer.convert_tokens_to_ids(word) == new[STOP_AT] and len(tokenizer) == model.config.vocab_size
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def build_root(tmp_path_factory, model_dir) -> Path:
+    root = tmp_path_factory.mktemp("edges") / "build"
+    build = BuildDir(root)
+    models.run(build, str(model_dir))
+    package.run(build, spec="draft", draft_model_dir=model_dir, max_draft_len=4)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(build_root):
+    with TritonServer(build_root / "triton_repo" / "cpu", log_path=build_root / "logs" / "edges.log", threads=1) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def decoder(build_root):
+    return load_decoder(build_root / "triton_repo" / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
+
+
+@pytest.fixture()
+def stream(server):
+    with StreamClient(server.grpc_url) as client:
+        yield client
+
+
+def _answers_next_request(server) -> None:
+    status, body = http_post(server, "/v2/models/ensemble/generate", {"text_input": PROMPT, "max_tokens": 4})
+    assert status == 200 and json.loads(body)["text_output"], body
+
+
+# ---------------------------------------------------------------------------------------------
+# item 6: the tokenizer's edges
+
+
+def test_streamed_pieces_concatenate_to_the_non_streamed_text(stream, decoder):
+    streamed = stream.generate(PROMPT, 40)
+    whole = stream.generate(PROMPT, 40, stream=False).text
+    assert streamed.text == whole
+    # the case that used to break: a later group whose first token carries the "▁" of a word
+    assert any(p.startswith(" ") for p in streamed.pieces[1:]), streamed.pieces
+    served_end = (decoder.tokenizer.eos_token_id,)  # the preprocessing's default end_id
+    ids = decoder.generate_ids(decoder.encode(PROMPT), SamplingParams(max_new_tokens=40, stop_token_ids=served_end)).token_ids
+    assert whole.strip() == decoder.decode(ids).strip()
+
+
+def _preprocess(server, text: str) -> list[int]:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name, array, dtype in (("QUERY", np.array([[text.encode()]], dtype=object), "BYTES"),
+                               ("REQUEST_OUTPUT_LEN", np.array([[4]], dtype=np.int32), "INT32")):
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return client.infer("preprocessing", inputs).as_numpy("INPUT_ID").reshape(-1).tolist()
+
+
+def test_a_prompt_that_starts_with_bos_gets_no_second_one(server, decoder):
+    bos = decoder.tokenizer.bos_token_id
+    plain = _preprocess(server, PROMPT)
+    assert plain[0] == bos and plain[1] != bos
+    templated = _preprocess(server, "<s>" + PROMPT)
+    # as training tokenized apply_chat_template's text: no extra BOS
+    assert templated == decoder.tokenizer("<s>" + PROMPT, add_special_tokens=False)["input_ids"]
+    assert templated.count(bos) == 1, "a chat-template prompt (its own BOS) must not get a second BOS"
+
+
+def test_a_special_token_stop_word_fires(decoder, stream, model_dir):
+    ids = decoder.generate_ids(decoder.encode(PROMPT), SamplingParams(max_new_tokens=12)).token_ids
+    assert ids[STOP_AT] in AutoTokenizer.from_pretrained(model_dir).all_special_ids
+    word = decoder.tokenizer.convert_ids_to_tokens(ids[STOP_AT])
+    full = stream.generate(PROMPT, 12, stream=False).text
+    stopped = stream.generate(PROMPT, 12, stream=False, stop_words=np.array([[word.encode()]], dtype=object)).text
+    assert stopped.lstrip() == decoder.decode(ids[:STOP_AT]), (stopped, full)  # served text keeps the word's space
+    assert len(stopped) < len(full)
+
+
+def test_a_sliding_window_model_is_refused_at_load(tmp_path, tiny_tokenizer_dir):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, sliding_window=16)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    deployment = tmp_path / "deployment.json"
+    deployment.write_text(json.dumps({"model_dir": "mistral", "device": "cpu", "spec": {"kind": "ngram"}}))
+    with pytest.raises(SpecDeployError, match=r"sliding-window attention \(sliding_window=16, context 256\)"):
+        load_decoder(deployment)
+    deployment.write_text(json.dumps({"model_dir": "mistral", "device": "cpu", "spec": {"kind": "none"}}))
+    assert load_decoder(deployment).proposer is None  # plain decoding stays possible
+
+
+# ---------------------------------------------------------------------------------------------
+# item 7: clear client errors, and the server answers the next request
+
+
+BAD_GRPC = [
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"top_p": float("nan")}, "top_p must be a finite number"),
+    ({"end_id": 10_000_000}, "end_id 10000000 is outside the model's vocabulary"),
+    ({"end_id": -5}, "end_id -5 is outside the model's vocabulary"),
+    ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words is not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_GRPC, ids=[m[:30] for _, m in BAD_GRPC])
+def test_bad_sampling_inputs_get_a_clear_error(server, stream, extra, message):
+    with pytest.raises(InferenceServerException, match=message) as err:
+        stream.generate(PROMPT, 4, **extra)
+    assert "internal error" not in str(err.value)
+    _answers_next_request(server)
+
+
+def test_a_stream_request_without_a_prompt_gets_an_error(server, stream):
+    """Both checked by Triton's own frontend before any model runs: a clear error, no empty answer."""
+    with pytest.raises(InferenceServerException, match=r"unexpected shape for input 'text_input'.*got \[1,0\]"):
+        stream.generate("", 4, text_input=np.zeros((1, 0), dtype=object))
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([[4]], dtype=np.int32))
+    client.async_stream_infer("ensemble", [max_tokens], enable_empty_final_response=True)
+    _, error = answers.get(timeout=60)
+    client.stop_stream()
+    assert error is not None and "missing required input(s) ['text_input']" in error.message()
+    _answers_next_request(server)
+
+
+# ---------------------------------------------------------------------------------------------
+# item 4, client side: a timeout cancels the request
+
+
+def test_client_timeout_cancels_and_returns_promptly(server, decoder):
+    long = Request(PROMPT, max_tokens=900, end_id=decoder.tokenizer.bos_token_id)  # BOS: never generated, no early end
+    full = TritonLLMClient(server.grpc_url, "grpc", timeout_s=300)
+    started = time.perf_counter()
+    done = full.generate(long)
+    generation_s = time.perf_counter() - started
+    assert len(done.text) > 1000, "the request must be long for the bound to mean anything"
+    short = TritonLLMClient(server.grpc_url, "grpc", timeout_s=0.2 * generation_s)
+    started = time.perf_counter()
+    with pytest.raises(SpecDeployError, match="request cancelled"):
+        short.generate(long)
+    assert time.perf_counter() - started < 0.5 * generation_s, generation_s
+    # through the ensemble, this Triton does not pass the cancellation on to the tensorrt_llm step
+    # already running (it skips only steps not yet scheduled), so the next request may wait
+    _answers_next_request(server)
+
+
+def test_a_cancelled_tensorrt_llm_request_stops_generating(server, decoder):
+    """Called directly (no ensemble), the model sees is_cancelled() between rounds and stops."""
+    ids = decoder.encode(PROMPT)
+
+    def one(name, array, dtype):
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        return tensor
+
+    inputs = [one("input_ids", np.array([ids], dtype=np.int32), "INT32"),
+              one("input_lengths", np.array([[len(ids)]], dtype=np.int32), "INT32"),
+              one("request_output_len", np.array([[900]], dtype=np.int32), "INT32"),
+              one("end_id", np.array([[decoder.tokenizer.bos_token_id]], dtype=np.int32), "INT32")]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    started = time.perf_counter()
+    client.async_stream_infer("tensorrt_llm", inputs, enable_empty_final_response=True)
+    answers.get(timeout=300)
+    generation_s = time.perf_counter() - started
+    client.stop_stream()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.async_stream_infer("tensorrt_llm", inputs, enable_empty_final_response=True)
+    time.sleep(0.2 * generation_s)
+    client.stop_stream(cancel_requests=True)
+    started = time.perf_counter()
+    _answers_next_request(server)
+    assert time.perf_counter() - started < 0.5 * generation_s, generation_s
+
+
+# ---------------------------------------------------------------------------------------------
+# `specdeploy serve` stops promptly when interrupted while the model loads
+
+
+SLOW_MODEL = """
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(120)
+
+    def execute(self, requests):
+        return []
+"""
+SLOW_CONFIG = """
+name: "slow"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+
+def test_serve_stops_on_sigint_while_loading(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    ports = [str(free_port()) for _ in range(3)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdeploy", "serve", "--build-dir", str(tmp_path / "build"), "--repo", str(repo),
+         "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    prefix = f"{SHM_PREFIX}specdeploy_{proc.pid}_"
+    try:
+        deadline = time.monotonic() + 60
+        while not shm_regions(prefix) and time.monotonic() < deadline:  # the stub is loading the model
+            time.sleep(0.2)
+        assert shm_regions(prefix), "the server never started loading"
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        assert proc.wait(60) == 0
+        assert time.monotonic() - started < 40, "it waited for the model to load"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopped before it was ready (SIGINT)" in proc.stdout.read()
+    assert not shm_regions(prefix)
