@@ -158,6 +158,7 @@ WORKER = textwrap.dedent("""
     settings = TrainSettings(kind="eagle", steps=3, **{TINY})
     fitted = fit(model_dir, settings, parallel=parallel)  # distills too: shards split between the ranks
     save_file(module_state_dict(fitted.model, "eagle"), f"{{out}}/rank{{parallel.rank}}.safetensors")
+    parallel.close()
 """)
 
 

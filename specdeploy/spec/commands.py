@@ -119,6 +119,7 @@ def _train(args: argparse.Namespace) -> int:
     parallel.barrier()
     out = run(build, args.spec, preset=args.preset, device=parallel.device, trust_remote_code=args.trust_remote_code,
               **overrides)
+    parallel.close()
     if not parallel.is_main:
         return 0
     config = json.loads((out / "spec_config.json").read_text())

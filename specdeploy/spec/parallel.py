@@ -36,6 +36,16 @@ class Parallel:
 
             dist.barrier()
 
+    def close(self) -> None:
+        """Leave the process group together: a rank that exits while its peer still talks to it
+        makes gloo abort the peer (SIGABRT)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+
     def mine(self, items: list) -> list:
         """This rank's share of a list of independent jobs."""
         return items[self.rank::self.world]
