@@ -30,6 +30,19 @@ def cuda_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@pytest.fixture(scope="module")
+def spec_cache(tmp_path_factory):
+    """A private self-distillation cache per test module, and one thread (tiny tensors: a second
+    thread only adds sync on busy cores). Modules opt in with pytestmark usefixtures."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECDEPLOY_CACHE", str(tmp_path_factory.mktemp("spec_cache")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_tokenizer")

@@ -33,15 +33,7 @@ TINY = dict(num_prompts=8, teacher_forced=0, max_new_tokens=16, window=32, batch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def spec_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECDEPLOY_CACHE", str(tmp_path_factory.mktemp("spec_cache")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("spec_cache")  # conftest: a private data cache, one thread
 
 
 @pytest.fixture(scope="module")

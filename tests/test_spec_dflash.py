@@ -25,16 +25,7 @@ from specdeploy.spec.train import TrainSettings, data_layers, train
 TINY = dict(kind="dflash", num_prompts=8, max_new_tokens=24, window=48, batch_size=4, distill_batch=8, lr=3e-3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def spec_cache(tmp_path_factory):
-    """A private data cache; one thread (tiny tensors: a second thread only adds sync on busy cores)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECDEPLOY_CACHE", str(tmp_path_factory.mktemp("spec_cache")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("spec_cache")  # conftest: a private data cache, one thread
 
 
 @pytest.fixture(scope="module")
