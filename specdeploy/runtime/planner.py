@@ -50,9 +50,8 @@ def measure_verify_costs(
     """Seconds of one target forward over k = 1..max_tokens new tokens after `prefix` cached ones
     (entry k - 1), the sizes interleaved within each repeat, minimum over repeats."""
     device = model_device(target)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, target.config.vocab_size, (1, prefix + max_tokens), generator=generator, device="cpu")
-    ids = ids.to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (1, prefix + max_tokens), generator=generator, device=device)
     best = [float("inf")] * max_tokens
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
