@@ -73,6 +73,9 @@ def test_bench_command(tiny_llama_dir, tiny_draft_dir, tmp_path, monkeypatch):
     assert results["settings"]["max_new_tokens"] == 6 and len(results["prompts"]) == 2
     assert results["settings"]["device"] == "cpu" and results["machine"]["device"].startswith("cpu (")
     assert ACCEPTANCE_LENGTH == results["definitions"]["acceptance_length"]
+    # the draft row's default drafting on a CPU: an int8 draft that stops at unsure tokens, still exact
+    assert results["settings"]["draft_options"] == {"stop_below": 0.4, "draft_quant": "int8"}
+    assert results["methods"]["draft"]["same_as_ar"] == 1.0
 
 
 def test_bench_finds_the_modules_make_engine_trained_for_the_model(tmp_path):
@@ -111,3 +114,13 @@ def test_bench_speculates_every_step_unless_adaptive(target, tokenizer, monkeypa
     monkeypatch.setattr(bench_module, "generate", spy)
     Bench(target, None, 4, adaptive=adaptive).runner("ngram")(tokenizer(PROMPTS[0])["input_ids"])
     assert seen == [adaptive]
+
+
+def test_draft_options_are_parsed_and_checked():
+    from specdeploy.bench import draft_options
+
+    assert draft_options(["head_rows=32768", "stop_below=0.4", "draft_quant=int8"]) == {
+        "head_rows": 32768, "stop_below": 0.4, "draft_quant": "int8"}
+    for bad in (["head_rows"], ["width=3"]):
+        with pytest.raises(SpecDeployError, match="bad --draft-option"):
+            draft_options(bad)

@@ -29,6 +29,36 @@ def test_load_decoder_generates_exactly(kind, tmp_path, tiny_llama_dir, tiny_dra
     assert text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
 
+def test_draft_options_reach_the_proposer(tmp_path, tiny_llama_dir, tiny_draft_dir, target, tokenizer):
+    spec = {"kind": "draft", "max_draft_len": 4, "draft_model_dir": str(tiny_draft_dir), "head_rows": 64,
+            "stop_below": 0.3}
+    decoder = load_decoder(write_deployment(tmp_path, tiny_llama_dir, spec))
+    assert decoder.proposer.head.rows == 64 and decoder.proposer.stop_below == 0.3
+    _, result = decoder.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
+    assert result.token_ids == hf_greedy(target, tokenizer(PROMPTS[0])["input_ids"], 20)
+
+
+def test_dflash_deployment(tmp_path, tiny_llama_dir, target, tokenizer):
+    """A spec/ folder of kind dflash (spec_config.json + module.safetensors) serves exactly."""
+    from safetensors.torch import save_file
+
+    from specdeploy.runtime.proposers import build_proposer
+    from specdeploy.runtime.proposers.dflash import modelopt_config
+
+    fresh = build_proposer("dflash", target, block_size=3, mask_token_id=5)
+    module_dir = tmp_path / "spec"
+    module_dir.mkdir()
+    save_file({f"dflash_module.{k}": v.contiguous() for k, v in fresh.module.state_dict().items()},
+              str(module_dir / "module.safetensors"))
+    config = modelopt_config(target.config, mask_token_id=5, block_size=3)
+    (module_dir / "spec_config.json").write_text(json.dumps({"kind": "dflash", "modelopt_config": config}))
+    decoder = load_decoder(write_deployment(tmp_path, tiny_llama_dir, {"kind": "dflash", "path": "spec", "max_draft_len": 2}))
+    assert decoder.proposer.block_size == 3 and decoder.draft_len == 2
+    _, result = decoder.generate(PROMPTS[2], SamplingParams(max_new_tokens=20))
+    assert result.token_ids == hf_greedy(target, tokenizer(PROMPTS[2])["input_ids"], 20)
+    assert result.metrics.draft_tokens > 0
+
+
 def test_load_decoder_errors(tmp_path, tiny_llama_dir):
     with pytest.raises(SpecDeployError, match="cannot read"):
         load_decoder(tmp_path / "missing.json")

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.proposers.dflash import MODULE_FILE, SPEC_CONFIG, modelopt_config
+from specdeploy.runtime.proposers.dflash import modelopt_config
+from specdeploy.spec import MODULE_FILE, SPEC_CONFIG
 from specdeploy.runtime.types import SamplingParams, TargetState
 from tests.test_runtime_helpers import one_thread, target, tokenizer  # noqa: F401
 from tests.test_runtime_sampling import chi_square_ok, tiny_counts, tiny_expected
@@ -146,7 +147,7 @@ def test_rejection_sampling_is_lossless(target, tokenizer, trained, shifted):
 
 
 def test_spec_dir_errors(target, trained, tmp_path):
-    with pytest.raises(SpecDeployError, match="has no spec_config.json"):
+    with pytest.raises(SpecDeployError, match="spec_config.json not found"):
         build_proposer("dflash", target, spec_dir=tmp_path)
     other = tmp_path / "eagle"
     other.mkdir()

@@ -1,11 +1,13 @@
-"""The draft-model proposer's cheaper greedy drafting: a restricted head (common ids + the
-request's own tokens) and a confidence stop. Output exactness is tested in test_runtime_greedy;
+"""The draft-model proposer's cheaper drafting: a restricted head (common ids + the request's own
+tokens), a confidence stop, an int8 draft. Output exactness is tested in test_runtime_greedy;
 here, what the draft proposes and what it costs in target forwards."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.proposers.head import RestrictedHead, restricted_head
@@ -66,3 +68,18 @@ def test_confidence_stop_shortens_rounds(target, draft, tokenizer):
         full = generate(target, ids, params, never, draft_len=6, adaptive=False)
         assert full.metrics.draft_tokens > full.metrics.target_forwards
         assert result.token_ids == full.token_ids
+
+
+def test_int8_draft_is_exact_and_leaves_the_given_model_alone(target, draft, tokenizer):
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    params = SamplingParams(max_new_tokens=24)
+    proposer = build_proposer("draft", target, draft_model=draft, draft_quant="int8")
+    linears = [m for m in proposer.draft.modules() if "Linear" in type(m).__name__]
+    assert linears and all(type(m) is not torch.nn.Linear for m in linears)  # every Linear quantized
+    assert all(type(m) is torch.nn.Linear for m in draft.modules() if "Linear" in type(m).__name__)
+    assert next(draft.parameters()).dtype == torch.float32  # the caller's model: not converted
+    result = generate(target, ids, params, proposer, draft_len=4, adaptive=False)
+    assert result.token_ids == generate(target, ids, params).token_ids
+    assert result.metrics.draft_tokens > 0
+    with pytest.raises(SpecDeployError, match="unknown draft_quant"):
+        build_proposer("draft", target, draft_model=draft, draft_quant="int4")

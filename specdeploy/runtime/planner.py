@@ -10,18 +10,19 @@ against plain decoding's 1 / verify_s(1). Three measurements feed it:
   once per (model structure, dtype, device, threads) and cached under $SPECDEPLOY_CACHE;
 - E[accepted]: greedy calibration on held-out prompts, each round drafting the next shape in
   turn. A chain's first i tokens do not depend on its length, so the reach of position i,
-  P(accepted >= i), pools every chain round that drafted >= i tokens;
+  P(accepted >= i), pools every round of a chain of >= i tokens;
 - draft_s(shape): the proposer's time for a round of that shape, in the same calibration.
-Both times are minimums over repeats: on a shared machine the least disturbed run is the
-closest to the machine's own cost, and both sides of the ratio are taken the same way.
+Both times are medians (over repeats, over rounds): robust to the odd disturbed run on a shared
+machine, representative of a draft whose cost varies by round (a dynamic tree stops early when
+no deeper node can be kept), and both sides of the ratio are taken the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from specdeploy.fileio import atomic_write_json, cache_dir
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingParams, TargetState, model_device
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # bump when what a cached cost curve means changes
 
 
 def _synchronize(device: torch.device) -> None:
@@ -48,11 +49,12 @@ def measure_verify_costs(
     target: Any, max_tokens: int, *, hidden_layers: tuple[int, ...] = (), prefix: int = 256, repeats: int = 5
 ) -> list[float]:
     """Seconds of one target forward over k = 1..max_tokens new tokens after `prefix` cached ones
-    (entry k - 1), the sizes interleaved within each repeat, minimum over repeats."""
+    (entry k - 1), the sizes interleaved within each repeat, median over repeats."""
     device = model_device(target)
+    prefix = max(1, min(prefix, target.config.max_position_embeddings - max_tokens))
     generator = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (1, prefix + max_tokens), generator=generator, device=device)
-    best = [float("inf")] * max_tokens
+    times: list[list[float]] = [[] for _ in range(max_tokens)]
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
         target(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True)
@@ -64,9 +66,9 @@ def measure_verify_costs(
                        output_hidden_states=bool(hidden_layers))
                 _synchronize(device)
                 if repeat:
-                    best[k - 1] = min(best[k - 1], time.perf_counter() - start)
+                    times[k - 1].append(time.perf_counter() - start)
                 cache.crop(prefix)
-    return best
+    return [statistics.median(t) for t in times]
 
 
 def _cost_key(target: Any, max_tokens: int, hidden: bool, prefix: int) -> str:
@@ -103,27 +105,35 @@ def verify_costs(target: Any, max_tokens: int, *, hidden_layers: tuple[int, ...]
 class ShapeStats:
     rounds: int = 0
     accepted: int = 0
-    draft_s: float = float("inf")  # fastest round of this shape
-    # chains: reached[i] / drafted[i] = P(accepted >= i + 1), over rounds that drafted >= i + 1
+    draft_times: list[float] = field(default_factory=list)  # seconds of each round's proposal
+    # chains: reached[i] / drafted[i] = P(accepted >= i + 1), over rounds of shapes >= i + 1
     reached: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
 
+    @property
+    def draft_s(self) -> float:
+        return statistics.median(self.draft_times) if self.draft_times else float("inf")
+
 
 class _Rotation(Proposer):
-    """Drafts the next shape in turn each round and records what each shape drafted, accepted
-    and cost."""
+    """Drafts the next shape in turn each round and records what each shape accepted and cost.
+    A request's first round is not timed: it also ingests the whole prompt (a draft model's
+    prefill, EAGLE's and DFlash's first context)."""
 
     kind = "tree"  # the verifier passes the whole budget; the shape decides what is drafted
 
     def __init__(self, inner: Proposer, shapes: list[DraftShape]) -> None:
         self.inner, self.shapes = inner, shapes
         self.hidden_layers = inner.hidden_layers
-        self.stats: dict[DraftShape, ShapeStats] = defaultdict(ShapeStats)
+        self.stats: dict[DraftShape, ShapeStats] = {shape: ShapeStats() for shape in shapes}
         self.turn = 0
-        self.current: DraftShape | None = None
+        self.current = shapes[0]
+        self.first = True
+        self.returned = 0  # tokens the proposer drafted this round, before the verifier's cut
 
     def reset(self) -> None:
         self.inner.reset()
+        self.first = True
 
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
         self.current = self.shapes[self.turn % len(self.shapes)]
@@ -134,8 +144,10 @@ class _Rotation(Proposer):
         start = time.perf_counter()
         tree = self.inner.propose(state, self.current.size)
         _synchronize(device)
-        stats = self.stats[self.current]
-        stats.draft_s = min(stats.draft_s, time.perf_counter() - start)
+        if not self.first:
+            self.stats[self.current].draft_times.append(time.perf_counter() - start)
+        self.first = False
+        self.returned = len(tree)
         return tree
 
     def update(self, num_accepted: int, num_proposed: int) -> None:
@@ -144,27 +156,37 @@ class _Rotation(Proposer):
         stats.rounds += 1
         stats.accepted += num_accepted
         if self.current.mode == "chain":
-            grow = num_proposed - len(stats.drafted)
-            stats.drafted += [0] * grow
-            stats.reached += [0] * grow
-            for i in range(num_proposed):
+            # over the positions the shape asks for: a draft that stops early (a confidence stop)
+            # reaches fewer of them, and that is what drafting this shape yields; a draft the
+            # verifier cut (the answer's end was near) says nothing about the positions cut
+            stats.drafted = stats.drafted or [0] * self.current.size
+            stats.reached = stats.reached or [0] * self.current.size
+            for i in range(self.current.size if num_proposed == self.returned else num_proposed):
                 stats.drafted[i] += 1
                 stats.reached[i] += int(num_accepted > i)
 
+    def short_of(self, min_rounds: int) -> bool:
+        return any(len(s.draft_times) < min_rounds for s in self.stats.values())
+
 
 def calibrate(
-    target: Any, proposer: Proposer, prompts: list[list[int]], shapes: list[DraftShape], *, max_new_tokens: int = 48
+    target: Any, proposer: Proposer, prompts: list[list[int]], shapes: list[DraftShape], *, max_new_tokens: int = 48,
+    min_rounds: int = 8, passes: int = 3,
 ) -> dict[DraftShape, ShapeStats]:
-    """Greedy generation on `prompts`, the rounds cycling through `shapes`."""
+    """Greedy generation on `prompts`, the rounds cycling through `shapes`; the prompts again
+    (up to `passes` times) until every shape has `min_rounds` timed rounds."""
     rotation = _Rotation(proposer, shapes)
     budget = max(shape.size for shape in shapes)
-    for ids in prompts:
-        generate(target, ids, SamplingParams(max_new_tokens=max_new_tokens), rotation, draft_len=budget, adaptive=False)
-    return dict(rotation.stats)
+    for _ in range(passes):
+        for ids in prompts:
+            generate(target, ids, SamplingParams(max_new_tokens=max_new_tokens), rotation, draft_len=budget, adaptive=False)
+        if not rotation.short_of(min_rounds):
+            break
+    return rotation.stats
 
 
 def chain_reach(stats: dict[DraftShape, ShapeStats]) -> list[float]:
-    """P(accepted >= i), i = 1, 2, ..., pooled over every chain round that drafted >= i tokens."""
+    """P(accepted >= i), i = 1, 2, ..., pooled over the rounds of every chain of >= i tokens."""
     reached: list[int] = []
     drafted: list[int] = []
     for shape, s in stats.items():
@@ -201,6 +223,8 @@ class Plan:
     shape: DraftShape | None
     ar_tokens_per_s: float
     estimates: list[ShapeEstimate]
+    reach: list[float] = field(default_factory=list)  # chains: P(accepted >= i), i = 1, 2, ...
+    verify_s: list[float] = field(default_factory=list)  # the verify-cost curve used (k = 1, 2, ...)
 
     @property
     def expected_speedup(self) -> float:
@@ -212,6 +236,8 @@ class Plan:
             "shape": None if self.shape is None else {"mode": self.shape.mode, "size": self.shape.size},
             "ar_tokens_per_s": self.ar_tokens_per_s,
             "expected_speedup": self.expected_speedup,
+            "reach": self.reach,
+            "verify_s": self.verify_s,
             "estimates": [{"shape": str(e.shape), "tokens_per_round": e.tokens_per_round, "draft_s": e.draft_s,
                            "verify_s": e.verify_s, "tokens_per_s": e.tokens_per_s} for e in self.estimates],
         }
@@ -233,7 +259,7 @@ def plan(stats: dict[DraftShape, ShapeStats], verify_s: list[float]) -> Plan:
         estimates.append(ShapeEstimate(shape, tokens, s.draft_s, verify_s[shape.size]))
     ar = 1.0 / verify_s[0]
     best = max(estimates, key=lambda e: e.tokens_per_s, default=None)
-    return Plan(best.shape if best and best.tokens_per_s > ar else None, ar, estimates)
+    return Plan(best.shape if best and best.tokens_per_s > ar else None, ar, estimates, reach, list(verify_s))
 
 
 def choose_draft_shape(

@@ -14,9 +14,7 @@ module cache does), and the block itself is never cached.
 from __future__ import annotations
 
 import copy
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,9 +25,6 @@ from specdeploy.runtime.proposers.head import RestrictedHead, restricted_head
 from specdeploy.runtime.sampling import sample, warp
 from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, TargetState, model_device
 
-SPEC_CONFIG = "spec_config.json"
-MODULE_FILE = "module.safetensors"
-MODULE_PREFIX = "dflash_module."
 DEFAULT_BLOCK_SIZE = 4
 
 
@@ -182,20 +177,6 @@ def _unsupported(skeleton: Any) -> str | None:
     return None
 
 
-def _read_spec(spec_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    config_path, weights_path = spec_dir / SPEC_CONFIG, spec_dir / MODULE_FILE
-    if not config_path.is_file() or not weights_path.is_file():
-        raise SpecDeployError(f"{spec_dir} has no {SPEC_CONFIG} + {MODULE_FILE}", hint="train it with the spec stage (SPEC=dflash)")
-    config = json.loads(config_path.read_text())
-    if config.get("kind") != "dflash":
-        raise SpecDeployError(f"{config_path} holds a {config.get('kind')!r} module, not a DFlash one",
-                              hint=f"use --spec {config.get('kind')}")
-    weights = {k.removeprefix(MODULE_PREFIX): v for k, v in load_file(str(weights_path)).items()}
-    return config, weights
-
-
 def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None, head_rows: int | None = None,
@@ -204,15 +185,20 @@ def build(
     """A DFlash proposer from a spec/ folder (trained; `path` is an alias), or a fresh module (tests).
 
     spec/ holds spec_config.json {"kind": "dflash", "modelopt_config": the dict given to
-    mtsp.convert} and module.safetensors (the `dflash_module.*` tensors). A fresh module drafts
+    mtsp.convert} and module.safetensors (the `dflash_module.*` tensors): the spec stage's
+    contract (specdeploy/spec/__init__.py). A fresh module drafts
     `block_size` - 1 tokens; its mask token defaults to the last id of the vocabulary.
     `head_rows`: greedy drafts take their top-1 over that many common ids plus the request's own
     tokens instead of the target's full head (head.py); None: the full head.
     """
+    from specdeploy.spec import load_module_weights, read_spec_config
+
     spec_dir = spec_dir if spec_dir is not None else path
-    weights = None
     if spec_dir is not None:
-        spec, weights = _read_spec(Path(spec_dir))
+        spec = read_spec_config(spec_dir)
+        if spec["kind"] != "dflash":
+            raise SpecDeployError(f"{spec_dir} holds a {spec['kind']!r} module, not a DFlash one",
+                                  hint=f"use --spec {spec['kind']}")
         config = spec["modelopt_config"]
     else:
         if block_size < 2:
@@ -224,17 +210,9 @@ def build(
     if problem:
         raise SpecDeployError(f"the runtime's DFlash proposer does not implement {problem}",
                               hint="train the module with full context attention and bidirectional blocks")
-    module = skeleton.dflash_module
-    if weights is not None:
-        expected = set(module.state_dict())
-        if set(weights) != expected:
-            raise SpecDeployError(
-                f"{Path(spec_dir) / MODULE_FILE} does not match its spec_config.json (missing "
-                f"{sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]})",
-                hint="retrain the spec stage: the module was saved for another configuration",
-            )
-        module.load_state_dict(weights)
-    module = module.to(device=model_device(target), dtype=next(target.parameters()).dtype).eval()
+    if spec_dir is not None:
+        load_module_weights(skeleton, "dflash", spec_dir)  # checks the keys against the config
+    module = skeleton.dflash_module.to(device=model_device(target), dtype=next(target.parameters()).dtype).eval()
     # output_hidden_states indexing: layer l's output is entry l + 1 (0 = embeddings)
     layers = tuple(layer + 1 for layer in skeleton.target_layer_ids)
     return DFlashProposer(module, target.get_input_embeddings(), target.get_output_embeddings(), layers,

@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.kv_cache import crop
 from specdeploy.runtime.proposers.head import restricted_head
+from specdeploy.runtime.proposers.quant import check_quant, int8_linears
 from specdeploy.runtime.sampling import sample, warp
 from specdeploy.runtime.types import DraftTree, Proposer, TargetState, model_device
 
@@ -125,6 +126,7 @@ def build(
     draft_tokenizer: Any = None,
     head_rows: int | None = None,
     stop_below: float = 0.0,
+    draft_quant: str | None = None,
     **_: Any,
 ) -> DraftModelProposer:
     """From a loaded `draft_model` (moved to the target's device), or from `draft_model_dir`
@@ -133,8 +135,10 @@ def build(
     Pass the target's `tokenizer` to have the two tokenizers checked against each other.
     `head_rows`: greedy drafts take their top-1 over that many common ids plus the request's
     own tokens (None: the full head). `stop_below`: end a round's draft after a token the draft
-    gives less probability than that (0: always draft the full length).
+    gives less probability than that (0: always draft the full length). `draft_quant` "int8":
+    the draft runs with dynamic int8 weights (CPU only; quant.py).
     """
+    check_quant(draft_quant)
     device = model_device(target)
     if draft_model is None:
         if draft_model_dir is None:
@@ -147,5 +151,7 @@ def build(
         draft_model = draft_model.to(device)
     if tokenizer is not None and draft_tokenizer is not None:
         check_tokenizers(tokenizer, draft_tokenizer)
+    if draft_quant == "int8":
+        draft_model = int8_linears(draft_model, device)
     return DraftModelProposer(draft_model, vocab_size=target.get_output_embeddings().weight.shape[0],
                               head_rows=head_rows, stop_below=stop_below)
