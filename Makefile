@@ -13,6 +13,7 @@ DRAFT ?=
 BUILD ?= build
 ENGINE_ARGS ?=
 BENCH_ARGS ?=
+LOADTEST_ARGS ?=
 
 .PHONY: venv engine serve verify bench loadtest test test-gpu clean
 
@@ -41,7 +42,7 @@ bench: venv
 	$(PY) -m specdeploy bench --build-root $(BUILD) --device $(DEVICE) $(BENCH_ARGS)
 
 loadtest: venv
-	$(PY) -m specdeploy loadtest $(BUILD_ARGS)
+	$(PY) -m specdeploy loadtest $(BUILD_ARGS) $(LOADTEST_ARGS)
 
 test: venv
 	$(PY) -m pytest -q -ra tests

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from specdeploy.device import add_device_arg, announce, resolve_device
+from specdeploy.device import add_device_arg, announce, fast_dtype, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
 from specdeploy.runtime.decoding import eos_token_ids, generate
@@ -276,7 +276,8 @@ def trained_modules(build_root: Path, model: str) -> dict[str, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="target: HF folder, .gguf or bundled name")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model sharing the target's tokenizer")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="native", choices=["native", "float32", "bfloat16", "float16"],
+                        help="native (default): bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--prompts", default="humaneval", choices=["humaneval", "sharegpt"])
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -366,6 +367,7 @@ def main(args: argparse.Namespace) -> int:
     spec_dirs = {**trained_modules(Path(args.build_root), args.model), **dict(item.split("=", 1) for item in args.spec_dir)}
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    args.dtype = fast_dtype(device) if args.dtype == "native" else args.dtype
     options = options if args.draft_option else default_draft_options(device)
     where = announce("bench", device)  # every row (the runtime's and Hugging Face's) runs there
     target, tokenizer = load_model(resolve_model_dir(args.model), args.dtype, device)

@@ -24,6 +24,11 @@ from specdeploy.errors import SpecDeployError
 
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 PERF_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate")
+# What the server does when an HTTP client gives up (tritonserver 2.51, measured): a generate_stream
+# request to tensorrt_llm itself is cancelled (within a round); a non-streaming generate request is not,
+# nor is either through the ensemble (Triton does not pass a cancellation on to the step already running)
+HTTP_CANCEL_HINT = ("the server may still finish the request: over HTTP, Triton cancels on a disconnect only "
+                    "generate_stream requests sent to the model itself, not through the ensemble; raise --timeout")
 _NUMPY_TYPES = {
     "TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64,
     "TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_STRING": np.object_,
@@ -117,10 +122,8 @@ class TritonLLMClient:
     # -- requests --------------------------------------------------------------------------
     def generate(self, request: Request, stream: bool = False, on_text: Callable[[str], None] | None = None) -> Completion:
         """Send one request; with stream=True, `on_text` gets each chunk as it arrives."""
-        if self.protocol == "http" and stream:
-            return self._http_stream(request, on_text)
         if self.protocol == "http":
-            return self._http_infer(request)
+            return self._http_generate(request, stream, on_text)
         return self._grpc_stream(request, stream, on_text)
 
     def _input_specs(self) -> dict[str, tuple[Any, list[int]]]:
@@ -185,49 +188,66 @@ class TritonLLMClient:
             self._client.stop_stream(cancel_requests=not finished)
         return Completion("".join(chunks), chunks, perf, time.perf_counter() - started, first)
 
-    def _http_infer(self, request: Request) -> Completion:
-        started = time.perf_counter()
-        try:
-            result = self._client.infer(self.model, self._build_inputs(request, stream=False))
-        except self._triton_exception() as err:
-            raise SpecDeployError(f"the server rejected the request: {err.message()}", hint="see the message above") from err
-        elapsed = time.perf_counter() - started
-        text = _text_of(result)
-        return Completion(text, [text], _perf_of(result), elapsed, elapsed)
-
-    def _http_stream(self, request: Request, on_text: Callable[[str], None] | None) -> Completion:
-        """Triton's generate_stream extension: JSON in, server-sent events out."""
+    def _http_generate(self, request: Request, stream: bool, on_text: Callable[[str], None] | None) -> Completion:
+        """Triton's generate extension: JSON in; one JSON answer (generate) or server-sent events
+        (generate_stream). KServe infer is no option: Triton refuses it for the ensemble, whose
+        tensorrt_llm step is decoupled. The whole answer must come within timeout_s; leaving the
+        `with` (timeout, error, Ctrl-C) closes the connection (what the server does then:
+        HTTP_CANCEL_HINT)."""
         import requests
 
-        body = request.tensors(stream=True)
         started = time.perf_counter()
-        chunks, perf, first = [], {}, 0.0
-        url = f"http://{self.url}/v2/models/{self.model}/generate_stream"
-        with requests.post(url, json=body, stream=True, timeout=self.timeout_s) as response:
-            for line in response.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data:"):
-                    continue
-                event = json.loads(line[len("data:"):])
-                if "error" in event:
-                    raise SpecDeployError(f"the server rejected the request: {event['error']}", hint="see the message above")
-                text = event.get("text_output", "")
-                if text:
-                    first = first or time.perf_counter() - started
-                    chunks.append(text)
-                    if on_text:
-                        on_text(text)
-                perf.update({k: float(_scalar(event[k])) for k in PERF_OUTPUTS if k in event})
-            if response.status_code != 200 and not chunks:
-                raise SpecDeployError(f"generate_stream answered HTTP {response.status_code}: {response.text[:300]}", hint="see the message above")
+        url = f"http://{self.url}/v2/models/{self.model}/generate{'_stream' if stream else ''}"
+        try:
+            with requests.post(url, json=request.tensors(stream), stream=True, timeout=self.timeout_s) as response:
+                if response.status_code != 200:
+                    raise SpecDeployError(f"the server rejected the request: {_http_error(response)}",
+                                          hint="see the message above")
+                if stream:
+                    chunks, perf, first = self._read_events(response, started, on_text)
+                else:
+                    answer = response.json()
+                    chunks, perf, first = [answer.get("text_output", "")], _perf_in(answer), time.perf_counter() - started
+        except (requests.exceptions.Timeout, requests.exceptions.ConnectionError) as err:
+            raise SpecDeployError(f"no complete answer within {self.timeout_s:g} s (connection closed): {err}",
+                                  hint=HTTP_CANCEL_HINT) from err
         return Completion("".join(chunks), chunks, perf, time.perf_counter() - started, first)
 
-    def _triton_exception(self) -> type[Exception]:
-        from tritonclient.utils import InferenceServerException
-
-        return InferenceServerException
+    def _read_events(self, response: Any, started: float,
+                     on_text: Callable[[str], None] | None) -> tuple[list[str], dict[str, float], float]:
+        """The SSE events of one generate_stream answer: text chunks, perf outputs, time to the first chunk."""
+        chunks, perf, first = [], {}, 0.0
+        for line in response.iter_lines(decode_unicode=True):
+            if time.perf_counter() - started > self.timeout_s:
+                raise SpecDeployError(f"no complete answer within {self.timeout_s:g} s (connection closed)",
+                                      hint=HTTP_CANCEL_HINT)
+            if not line or not line.startswith("data:"):
+                continue
+            event = json.loads(line[len("data:"):])
+            if "error" in event:
+                raise SpecDeployError(f"the server rejected the request: {event['error']}", hint="see the message above")
+            text = event.get("text_output", "")
+            if text:
+                first = first or time.perf_counter() - started
+                chunks.append(text)
+                if on_text:
+                    on_text(text)
+            perf.update(_perf_in(event))
+        return chunks, perf, first
 
     def close(self) -> None:
         self._client.close()
+
+
+def _http_error(response: Any) -> str:
+    try:
+        return response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:300]}"
+
+
+def _perf_in(answer: dict[str, Any]) -> dict[str, float]:
+    return {k: float(_scalar(answer[k])) for k in PERF_OUTPUTS if k in answer}
 
 
 def _triton_dtype(array: np.ndarray) -> str:

@@ -1,115 +1,435 @@
-"""`make loadtest`: N concurrent streaming clients x M requests against a live server.
+"""`make loadtest`: a serving benchmark, as `vllm bench serve` and GenAI-Perf run one, of the
+speculative deployment against its autoregressive twin (the same repository, speculation off).
 
-Every output must equal the same request sent alone (greedy): concurrency may change speed,
-never text. Reports errors, mismatches and latency / time-to-first-token percentiles.
+For each concurrency level (default 1, 2, 4, 8) both arms get the same greedy requests, streamed
+through tritonclient (gRPC); the arm that goes first alternates from level to level, so machine
+noise hits both. At most `concurrency` requests are in flight: all sent at once (closed loop), or
+at Poisson arrival times with --request-rate (open loop; a request that arrives while every slot
+is busy waits for one, as `vllm bench serve --max-concurrency` does). Per arm and level: output
+tokens/s, requests/s, TTFT / TPOT / ITL percentiles (DEFINITIONS), acceptance length, errors; then
+the speed-up curve (speculative tokens/s over autoregressive tokens/s) and the break-even
+concurrency, the first level where speculation stops paying. Writes loadtest/loadtest.json and
+loadtest.png in the build.
+
+Correctness: every output is compared with the same prompt's solo output (concurrency 1) of the
+autoregressive arm (of the only arm, with --url alone). Where the deployment's dtype makes greedy parity exact (verify.parity_rule:
+float64, or float32 without quantized activations/KV) any difference fails the run. Elsewhere a
+batch of another shape may round a near-tie the other way, and only the reference's logit margins
+can tell that from a bug: the load test has none, so it reports `identical k/n` and leaves the
+judgement to `make verify`. Errors always fail.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import queue
+import shutil
+import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from specdeploy.client import Request, TritonLLMClient
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
-from specdeploy.manifest import add_build_args, build_from_args
+from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.runtime.types import acceptance_length
+from specdeploy.verify import DEPLOYMENT, autoregressive_twin, parity_rule, served_forwards
+
+STAGE, OUT = "loadtest", "loadtest"
+SPEC, AR = "speculative", "autoregressive"
+DEFINITIONS = {
+    "tokens": "output tokens of a request: its served text re-tokenized (no special tokens), as verify counts them",
+    "output_tokens_per_s": "output tokens of the level's successful requests / the level's wall time (first send to last answer)",
+    "ttft_s": "time to first token: request sent -> first streamed chunk with text",
+    "tpot_s": "time per output token after the first: (latency - TTFT) / (tokens - 1), requests with > 1 token",
+    "itl_s": ("inter-token latency, one sample per token after the first chunk: a chunk of k tokens arriving g s after "
+              "the previous chunk counts as k gaps of g/k (vLLM instead counts one gap per chunk)"),
+    "acceptance_length": ("TensorRT-LLM's: (accepted draft tokens + 1 per target forward) / target forwards, prefill not "
+                          "counted, summed over the level's requests, from the server's total_accepted_draft_tokens"),
+    "speedup": "speculative output tokens/s / autoregressive output tokens/s at the same concurrency",
+    "break_even_concurrency": "the first level whose speed-up is below 1 (null: speculation pays at every level swept)",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# figures
+
+
+def parse_levels(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8] (sorted, distinct)."""
+    try:
+        levels = sorted({int(value) for value in text.split(",") if value.strip()})
+    except ValueError:
+        levels = []
+    if not levels or levels[0] < 1:
+        raise SpecDeployError(f"--concurrency {text!r} is not a list of positive integers", hint="e.g. --concurrency 1,2,4,8")
+    return levels
+
+
+def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """When each request may be sent (s after the level starts): all at once (rate None), or a
+    Poisson process of `rate` requests/s. Seeded: both arms see the same arrivals."""
+    if rate is None:
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, max(n - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50, p99 (linear interpolation, as numpy and `vllm bench serve`) and mean; None without data."""
+    if not values:
+        return {"p50": None, "p99": None, "mean": None}
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)), "mean": float(np.mean(values))}
+
+
+def count_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chunk_tokens(tokenizer: Any, chunks: list[str]) -> list[int]:
+    """Tokens each streamed chunk adds: differences of the growing text's token counts (a chunk
+    alone can tokenize differently from inside the answer), so they sum to the answer's count."""
+    counts, text, before = [], "", 0
+    for chunk in chunks:
+        text += chunk
+        now = count_tokens(tokenizer, text)
+        counts.append(now - before)
+        before = now
+    return counts
+
+
+def inter_token_gaps(chunk_s: list[float], counts: list[int]) -> list[float]:
+    """ITL samples, one per token after the first chunk: a chunk of k tokens g s after the previous
+    chunk gives k gaps of g/k; a chunk that adds no token passes its gap on to the next one."""
+    gaps: list[float] = []
+    waited, pending = 0.0, 0
+    for before, at, tokens in zip(chunk_s, chunk_s[1:], counts[1:]):
+        waited, pending = waited + at - before, pending + tokens
+        if pending > 0:
+            gaps += [waited / pending] * pending
+            waited, pending = 0.0, 0
+    return gaps
+
+
+def break_even(levels: list[int], speedups: list[float | None]) -> int | None:
+    """The first concurrency whose speed-up is below 1: from there on speculation does not pay."""
+    return next((level for level, s in zip(levels, speedups) if s is not None and s < 1.0), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# sending
 
 
 @dataclass
-class LoadResult:
-    requests: int
-    errors: list[str]
-    mismatches: int
-    wall_s: float
-    latency_s: dict[str, float]
-    ttft_s: dict[str, float]
+class Timed:
+    """One request as the client saw it; tokens are counted after the level, off the clock."""
 
-    def as_dict(self) -> dict:
-        return {**self.__dict__, "errors": self.errors[:20], "num_errors": len(self.errors)}
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
+    prompt: int
+    start_s: float  # after the level started
+    latency_s: float = 0.0
+    # each streamed chunk's arrival after the send, as the client's on_text sees it (a busy client
+    # thread can see a few chunks at once: at a few ms per token the gaps bunch up)
+    chunk_s: list[float] = field(default_factory=list)
+    chunks: list[str] = field(default_factory=list)
+    perf: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
 
-def run_load(
-    url: str, prompts: list[str], *, clients: int = 8, requests_per_client: int = 10,
-    max_tokens: int = 32, protocol: str = "grpc", model: str = "ensemble",
-) -> LoadResult:
-    """Send every prompt alone first (the expected text), then all of them concurrently."""
-    solo = TritonLLMClient(url, protocol, model)
-    solo.wait_ready()
-    expected = {p: solo.generate(Request(p, max_tokens=max_tokens), stream=True).text for p in set(prompts)}
-    solo.close()
+def send(client: TritonLLMClient, prompt: int, text: str, max_tokens: int, level_start: float) -> Timed:
+    timed = Timed(prompt, time.perf_counter() - level_start)
+    sent = time.perf_counter()
+    stamp = lambda _: timed.chunk_s.append(time.perf_counter() - sent)  # noqa: E731
+    try:
+        done = client.generate(Request(text, max_tokens=max_tokens), stream=True, on_text=stamp)
+    except Exception as err:  # any failure is this request's counted error; the level goes on
+        timed.error = f"{type(err).__name__}: {err}"
+        return timed
+    timed.latency_s, timed.chunks, timed.perf = time.perf_counter() - sent, done.chunks, done.perf
+    return timed
 
-    def one_client(index: int) -> list[tuple[str, str | None, float, float]]:
-        client = TritonLLMClient(url, protocol, model)
-        rows = []
-        for j in range(requests_per_client):
-            prompt = prompts[(index * requests_per_client + j) % len(prompts)]
-            try:
-                done = client.generate(Request(prompt, max_tokens=max_tokens), stream=True)
-                rows.append((prompt, done.text, done.latency_s, done.time_to_first_chunk_s))
-            except (SpecDeployError, OSError) as err:
-                rows.append((prompt, None, 0.0, str(err)))
-        client.close()
-        return rows
 
+def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[int], max_tokens: int,
+              arrivals: list[float]) -> tuple[list[Timed], float]:
+    """One worker per client (the concurrency) takes the requests in order, each no earlier than
+    its arrival time. Returns the requests and the level's wall time."""
+    jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(order)):
+        jobs.put(i)
+    done: list[Timed] = [Timed(order[i], 0.0, error="not sent") for i in range(len(order))]
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=clients) as pool:
-        rows = [row for result in pool.map(one_client, range(clients)) for row in result]
-    wall = time.perf_counter() - started
-    ok = [r for r in rows if r[1] is not None]
-    return LoadResult(
-        requests=len(rows),
-        errors=[f"{r[0][:40]!r}: {r[3]}" for r in rows if r[1] is None],
-        mismatches=sum(1 for r in ok if r[1] != expected[r[0]]),
-        wall_s=wall,
-        latency_s=percentiles([r[2] for r in ok]),
-        ttft_s=percentiles([r[3] for r in ok]),
-    )
+
+    def worker(client: TritonLLMClient) -> None:
+        while True:
+            try:
+                i = jobs.get_nowait()
+            except queue.Empty:
+                return
+            time.sleep(max(started + arrivals[i] - time.perf_counter(), 0.0))
+            done[i] = send(client, order[i], prompts[order[i]], max_tokens, started)
+
+    threads = [threading.Thread(target=worker, args=(client,), daemon=True) for client in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return done, time.perf_counter() - started
+
+
+Results = dict[str, dict[int, tuple[list[Timed], float]]]  # arm -> concurrency -> (requests, wall s)
+
+
+@dataclass
+class Sweep:
+    """What the sweep sends: prompts, how many requests per level, their arrivals."""
+
+    prompts: list[str]
+    levels: list[int]
+    requests: int
+    max_tokens: int
+    rate: float | None = None
+    seed: int = 0
+
+    @property
+    def order(self) -> list[int]:
+        return [i % len(self.prompts) for i in range(self.requests)]
+
+
+def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print) -> Results:
+    """Every level for every arm, the arms' order alternating per level; the first reference-arm
+    level is preceded by a solo pass when the sweep has no concurrency 1 (key 0)."""
+    clients = {arm: [TritonLLMClient(url) for _ in range(plan.levels[-1])] for arm, url in urls.items()}
+    arrivals = arrival_times(plan.requests, plan.rate, plan.seed)
+    results: Results = {arm: {} for arm in urls}
+    try:
+        for pool in clients.values():  # warm-up: first requests pay one-off costs
+            pool[0].wait_ready()
+            pool[0].generate(Request(plan.prompts[0], max_tokens=4), stream=True)
+        reference = list(urls)[-1]
+        if plan.levels[0] != 1:
+            solo = list(range(len(plan.prompts)))
+            results[reference][0] = run_level(clients[reference][:1], plan.prompts, solo, plan.max_tokens, [0.0] * len(solo))
+        for n, level in enumerate(plan.levels):
+            for arm in list(urls)[:: 1 if n % 2 == 0 else -1]:
+                results[arm][level] = run_level(clients[arm][:level], plan.prompts, plan.order, plan.max_tokens, arrivals)
+                say(f"concurrency {level}: {arm} done in {results[arm][level][1]:.1f} s")
+    finally:
+        for pool in clients.values():
+            for client in pool:
+                client.close()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def measure(timed: Timed, tokenizer: Any) -> dict[str, Any]:
+    """A request's row: its timings and token counts."""
+    row: dict[str, Any] = {"prompt": timed.prompt, "start_s": timed.start_s, "error": timed.error}
+    if timed.error:
+        return row
+    counts = chunk_tokens(tokenizer, timed.chunks)
+    tokens = sum(counts)
+    ttft = timed.chunk_s[0] if timed.chunk_s else timed.latency_s
+    accepted = int(timed.perf.get("total_accepted_draft_tokens", 0))
+    return {
+        **row, "latency_s": timed.latency_s, "ttft_s": ttft, "tokens": tokens,
+        "tpot_s": (timed.latency_s - ttft) / (tokens - 1) if tokens > 1 else None,
+        "itl_s": inter_token_gaps(timed.chunk_s, counts), "chunk_s": timed.chunk_s, "chunk_tokens": counts,
+        "accepted_draft_tokens": accepted, "target_forwards": served_forwards(tokens, accepted),
+        "text": "".join(timed.chunks),
+    }
+
+
+def summarize_level(rows: list[dict[str, Any]], wall_s: float, expected: dict[int, str]) -> dict[str, Any]:
+    """One arm at one level. `identical`: outputs equal to their prompt's solo output."""
+    ok = [r for r in rows if r["error"] is None]
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "requests": len(rows), "errors": len(rows) - len(ok), "error_messages": [r["error"] for r in rows if r["error"]][:10],
+        "wall_s": wall_s, "output_tokens": tokens, "output_tokens_per_s": tokens / wall_s, "requests_per_s": len(ok) / wall_s,
+        "ttft_s": percentiles([r["ttft_s"] for r in ok]),
+        "tpot_s": percentiles([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+        "itl_s": percentiles([gap for r in ok for gap in r["itl_s"]]),
+        "latency_s": percentiles([r["latency_s"] for r in ok]),
+        "acceptance_length": acceptance_length(sum(r["accepted_draft_tokens"] for r in ok), sum(r["target_forwards"] for r in ok)),
+        "identical": sum(r["text"] == expected.get(r["prompt"]) for r in ok), "compared": len(ok),
+        "per_request": rows,
+    }
+
+
+def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str) -> dict[str, Any]:
+    """Rows, per-level figures, the speed-up curve, break-even, pass/fail."""
+    rows = {arm: {level: [measure(t, tokenizer) for t in timed] for level, (timed, _) in by_level.items()}
+            for arm, by_level in results.items()}
+    reference = list(results)[-1]  # the autoregressive arm, when there is one
+    solo = rows[reference][min(rows[reference])]  # concurrency 1, or the solo pass (key 0)
+    expected = {r["prompt"]: r["text"] for r in solo if r["error"] is None}
+    report_levels = []
+    for level in levels:
+        entry: dict[str, Any] = {"concurrency": level}
+        for arm in results:
+            entry[arm] = summarize_level(rows[arm][level], results[arm][level][1], expected)
+        both = SPEC in entry and AR in entry and entry[AR]["output_tokens_per_s"] > 0
+        entry["speedup"] = entry[SPEC]["output_tokens_per_s"] / entry[AR]["output_tokens_per_s"] if both else None
+        report_levels.append(entry)
+    figures = [entry[arm] for entry in report_levels for arm in results]
+    solo_errors = sum(r["error"] is not None for r in rows[reference].get(0, []))  # the solo pass, when there was one
+    errors = sum(f["errors"] for f in figures) + solo_errors
+    mismatches = sum(f["compared"] - f["identical"] for f in figures)
+    return {
+        "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
+        "solo_reference": rows[reference].get(0),
+        "break_even_concurrency": break_even(levels, [e["speedup"] for e in report_levels]),
+        "errors": errors, "mismatches": mismatches,
+        "ok": errors == 0 and (mismatches == 0 or rule != "exact"),
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Tokens/s of both arms and the speed-up (second axis) vs concurrency; TTFT p99 vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [e["concurrency"] for e in report["levels"]]
+    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm in report["arms"]:
+        tput.plot(levels, [e[arm]["output_tokens_per_s"] for e in report["levels"]], "o-", label=arm)
+        ttft.plot(levels, [(e[arm]["ttft_s"]["p99"] or 0) * 1000 for e in report["levels"]], "o-", label=arm)
+    tput.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
+    ttft.set(xscale="log", xlabel="concurrency", ylabel="TTFT p99 (ms)", title="Time to first token")
+    if all(e["speedup"] is not None for e in report["levels"]):
+        speed = tput.twinx()
+        speed.plot(levels, [e["speedup"] for e in report["levels"]], "s--", color="k", label="speed-up")
+        speed.axhline(1.0, color="gray", lw=0.8)
+        speed.set(ylabel="speed-up (speculative / autoregressive)", ylim=(0, None))
+        speed.legend(loc="upper right")
+    for ax in (tput, ttft):
+        ax.minorticks_off()
+        ax.set_xticks(levels, [str(level) for level in levels])
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(report: dict[str, Any], title: str) -> Table:
+    out = Table(title=title)
+    for column in ("conc", "arm", "tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
+                   "accept len", "identical", "errors", "speed-up"):
+        out.add_column(column, justify="left" if column == "arm" else "right")
+    ms = lambda p: "/".join("-" if p[k] is None else f"{p[k] * 1000:.0f}" for k in ("p50", "p99"))  # noqa: E731
+    for entry in report["levels"]:
+        for arm in report["arms"]:
+            f = entry[arm]
+            speedup = f"{entry['speedup']:.2f}x" if arm == SPEC and entry["speedup"] is not None else ""
+            out.add_row(str(entry["concurrency"]), arm, f"{f['output_tokens_per_s']:.1f}", f"{f['requests_per_s']:.2f}",
+                        ms(f["ttft_s"]), ms(f["tpot_s"]), ms(f["itl_s"]), f"{f['acceptance_length']:.2f}",
+                        f"{f['identical']}/{f['compared']}", str(f["errors"]), speedup)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
-    parser.add_argument("--url", help="use a running server (gRPC host:port) instead of starting one")
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=10, help="requests per client")
+    parser.add_argument("--url", help="benchmark a running server (gRPC host:port) instead of starting the build's "
+                        "two; one arm unless --url-ar names the autoregressive one")
+    parser.add_argument("--url-ar", help="with --url: a running autoregressive server to compare against")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="levels swept, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--requests-per-level", type=int, default=8,
+                        help="requests per arm and level (default 8: the default sweep takes ~5 min on 2 CPU cores)")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=8, help="distinct prompts (ShareGPT held-out)")
+    parser.add_argument("--request-rate", type=float,
+                        help="Poisson arrivals at this many requests/s (open loop); default: all at once (closed loop)")
+    parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per category (ShareGPT chat, HumanEval code)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.url_ar and not args.url:
+        raise SpecDeployError("--url-ar needs --url (the speculative server)", hint="pass both, or neither to start the build's")
+    if args.requests_per_level < 1 or args.max_tokens < 1 or args.prompts < 1:
+        raise SpecDeployError("--requests-per-level, --max-tokens and --prompts must be >= 1", hint="e.g. --requests-per-level 8")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise SpecDeployError(f"--request-rate {args.request_rate} is not a positive rate", hint="requests per second, e.g. 2")
+
+
+def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
+    """Start the servers (unless --url), sweep, write loadtest/; return the report."""
+    from specdeploy.models import load_tokenizer
+    from specdeploy.quantize.loader import read_quant_config
+    from specdeploy.verify import load_prompts
+
+    cpu_repo = build.path("triton_repo") / "cpu"
+    if build.record("package") is None or not (cpu_repo / DEPLOYMENT).exists():
+        raise SpecDeployError(f"no packaged repository in {build.root}", hint="run `make engine` (or `specdeploy package`) first")
+    deployment = json.loads((cpu_repo / DEPLOYMENT).read_text())
+    model_dir = (cpu_repo / DEPLOYMENT).parent / deployment["model_dir"]
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [p.text_input for p in load_prompts(args.prompts, tokenizer)][: args.requests_per_level]
+    plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed)
+    settings = {"concurrency": levels, "requests_per_level": plan.requests, "max_tokens": plan.max_tokens,
+                "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed, "url": args.url, "url_ar": args.url_ar}
+    twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
+    with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:
+        stack.callback(shutil.rmtree, twin_dir.parent, ignore_errors=True)  # runs last: after the servers stop
+        if args.url:
+            urls = {SPEC: args.url, **({AR: args.url_ar} if args.url_ar else {})}
+        else:
+            urls = _start_servers(stack, {SPEC: cpu_repo, AR: autoregressive_twin(cpu_repo, twin_dir)}, tmp)
+        results = sweep(urls, plan)
+        report = {"settings": settings, "dtype": deployment["dtype"],
+                  **build_report(results, tokenizer, levels, parity_rule(deployment["dtype"], read_quant_config(model_dir)))}
+        atomic_write_json(tmp / "loadtest.json", report)
+        plot(report, tmp / "loadtest.png")
+    return report
+
+
+def _start_servers(stack: ExitStack, repos: dict[str, Path], logs: Path) -> dict[str, str]:
+    """One tritonserver per arm; they stop when the stack closes. Started from this thread: a
+    server dies with the thread that started it (serve.py's PR_SET_PDEATHSIG), so not in a pool."""
+    from specdeploy.triton.serve import TritonServer
+
+    return {arm: stack.enter_context(TritonServer(repo, log_path=logs / f"tritonserver_{arm}.log")).grpc_url
+            for arm, repo in repos.items()}
 
 
 def main(args: argparse.Namespace) -> int:
-    from specdeploy.data import sharegpt_prompts
-    from specdeploy.triton.serve import TritonServer
-
+    _check_args(args)
+    levels = parse_levels(args.concurrency)
     build = build_from_args(args)
-    repo = build.path("triton_repo") / "cpu"
-    if args.url is None and build.record("package") is None:
-        raise SpecDeployError(f"no packaged repository in {build.root}", hint="run `make engine` first, or pass --url")
-    prompts = sharegpt_prompts(args.prompts, split="heldout", max_chars=600)
-    settings = {k: getattr(args, k) for k in ("clients", "requests", "max_tokens", "prompts")}
-    with build.stage("loadtest", "loadtest", settings) as tmp, ExitStack() as stack:
-        url = args.url or stack.enter_context(TritonServer(repo, log_path=tmp / "tritonserver.log")).grpc_url
-        result = run_load(url, prompts, clients=args.clients, requests_per_client=args.requests, max_tokens=args.max_tokens)
-        atomic_write_json(tmp / "loadtest.json", result.as_dict())
-    table = Table(title=f"load test: {args.clients} clients x {args.requests} requests, {args.max_tokens} tokens")
-    for column in ("requests", "errors", "mismatches", "wall s", "latency p50/p90/p99 s", "ttft p50/p90/p99 s"):
-        table.add_column(column)
-    fmt = lambda d: "/".join(f"{d.get(k, 0):.3f}" for k in ("p50", "p90", "p99"))  # noqa: E731
-    table.add_row(str(result.requests), str(len(result.errors)), str(result.mismatches), f"{result.wall_s:.1f}",
-                  fmt(result.latency_s), fmt(result.ttft_s))
-    Console().print(table)
-    print(f"report: {build.path('loadtest')}/loadtest.json")
-    return 1 if result.errors or result.mismatches else 0
+    report = loadtest(build, args, levels)
+    rate = f"Poisson {args.request_rate:g} req/s" if args.request_rate else "closed loop"
+    title = f"load test: {args.requests_per_level} requests x {args.max_tokens} tokens per arm and level, {rate}"
+    # piped (a log, a test): wide enough for every column, where rich would assume 80
+    Console(width=None if sys.stdout.isatty() else 160).print(table(report, title))
+    curve = [e["speedup"] for e in report["levels"]]
+    if all(s is not None for s in curve):
+        point = report["break_even_concurrency"]
+        print(f"break-even concurrency: {point if point is not None else 'none in the sweep'} "
+              f"(speed-up {' '.join(f'{s:.2f}' for s in curve)} at concurrency {' '.join(map(str, levels))})")
+    print(f"ITL: {DEFINITIONS['itl_s']}")
+    print(f"report: {build.path(OUT)}/loadtest.json, loadtest.png")
+    if report["mismatches"]:
+        verdict = ("FAIL: greedy output changed under concurrency (exact parity rule)" if report["parity_rule"] == "exact"
+                   else f"note: {report['mismatches']} outputs differ from their solo run; {report['dtype']} is judged by "
+                        "the near-tie rule, which needs reference logits: run `make verify`")
+        print(verdict)
+    if report["errors"]:
+        print(f"FAIL: {report['errors']} requests failed (see error_messages in the report)")
+    return 0 if report["ok"] else 1

@@ -449,6 +449,13 @@ def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) 
     return AutoTokenizer.from_pretrained(Path(path), trust_remote_code=trust_remote_code)
 
 
+def checkpoint_dtype(model_dir: str | os.PathLike) -> str:
+    """The dtype a Hugging Face checkpoint was saved in (config.json), float32 when unstated."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return dtype if dtype in ("float32", "bfloat16", "float16", "float64") else "float32"
+
+
 def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", *, device: "str | torch.device" = "cpu",
                    device_map: str | dict[str, Any] | None = None, trust_remote_code: bool = False) -> Any:
     """An HF causal LM in eval mode with sdpa attention, its weights loaded straight onto `device`

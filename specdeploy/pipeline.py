@@ -22,7 +22,8 @@ from rich.table import Table
 from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
-from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPES, gpu_summary
+from specdeploy.quantize.formats import DEPLOY_DTYPES
+from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPE_HELP, SERVE_DTYPES, gpu_summary
 from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
 
 console = Console()
@@ -43,7 +44,8 @@ class EngineOptions:
     draft: str | None = None
     kv_cache: str | None = None  # None: follow the weight format (KV_CACHE_FOR)
     spec_preset: str = "quick"
-    serve_dtype: str = "auto"  # package.SERVE_DTYPES
+    dtype: str = "bfloat16"  # the deployment's weights (quantize.stage.DEPLOY_DTYPES): cast explicitly, never silently
+    serve_dtype: str = "native"  # the CPU runtime's compute dtype (package.SERVE_DTYPES)
     adaptive: bool = False  # package.ADAPTIVE_HELP
     trtllm_version: str = DEFAULT_TRTLLM_VERSION  # the release the GPU host runs (convert: routes, LLM-API config)
     tp_size: int = 1
@@ -77,7 +79,7 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
     steps += [
         ("quantize", lambda: quantize.run(build, opts.quant, kv_cache,
                                            calib_size=opts.calib_size, report=opts.quant_report,
-                                           exclude=opts.quant_exclude, **loader)),
+                                           exclude=opts.quant_exclude, dtype=opts.dtype, **loader)),
         ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind, trtllm_version=opts.trtllm_version,
                                         draft_model=draft_dir, max_draft_len=chain_len)),
         ("build", lambda: trt_build.run(build)),
@@ -160,9 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", choices=["fp8", "none"], help="KV-cache quantization (default: follows --quant)")
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
                         help="module training budget: quick (<= 10 min, default) or long (<= 60 min)")
-    parser.add_argument("--serve-dtype", choices=SERVE_DTYPES, default="auto",
-                        help="dtype of the CPU runtime served by Triton; auto: the one in which greedy parity is "
-                             "exact (float64 when activations or K/V are quantized, else float32); bfloat16: faster")
+    parser.add_argument("--dtype", choices=DEPLOY_DTYPES, default="bfloat16",
+                        help="the deployment's weight dtype (what TensorRT-LLM loads and the CPU repository serves): the "
+                             "base is cast to it, also with --quant none; float32 keeps an fp32 base unchanged (--quant "
+                             "none only). `make verify` reports its effect against the original model (fidelity)")
+    parser.add_argument("--serve-dtype", choices=SERVE_DTYPES, default="native", help=SERVE_DTYPE_HELP)
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     add_trtllm_version_arg(parser)
     parser.add_argument("--tp-size", type=int, default=1)
@@ -180,7 +184,7 @@ def main(args: argparse.Namespace) -> int:
     opts = EngineOptions(
         model=args.model, device=args.device, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
         spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
-        spec_preset=args.spec_preset, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
+        spec_preset=args.spec_preset, dtype=args.dtype, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
         trtllm_version=args.trtllm_version, tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},

@@ -1,12 +1,18 @@
 """`make verify`: is the served output still the base model's, and is it faster?
 
-Starts tritonserver on the packaged CPU repository (or uses a running one with --url), sends
-held-out chat and code prompts through tritonclient (gRPC streaming), and compares every answer
-with the Hugging Face reference: `transformers.generate(do_sample=False)` in-process on the very
-weights and dtype the server loaded (for a quantized build, the same fake-quantized model), on
---device. An autoregressive twin of the deployment (same repository, speculation off) runs beside
-it, and the two are asked the same prompts in alternation, so the speed-up is measured on one
-noisy machine in one run.
+Three reports, each with its own rule (the CPU deployment):
+a. exactness (the algorithm's proof): the deployment's own weights loaded in float64 in-process,
+   speculative vs plain greedy decoding, token for token; 100% identical required (exactness.py).
+b. served: tritonserver on the packaged CPU repository (or a running one with --url) is sent
+   held-out chat and code prompts through tritonclient (gRPC streaming); every answer is compared
+   with the Hugging Face reference, `transformers.generate(do_sample=False)` in-process on the very
+   weights and dtype the server loaded (for a quantized build, the same fake-quantized model), on
+   --device. An autoregressive twin (same repository, speculation off) runs beside it and the two
+   are asked the same prompts in alternation, so the speed-up is measured on one noisy machine in
+   one run. Parity is exact where the served dtype allows, else by the near-tie rule.
+c. fidelity: the served answers against the user's original model (the resolved base checkpoint in
+   its own dtype, unquantized): how much quantization and the deployment dtype change the output,
+   apart from speculation. Reported, not judged: the user decides what is close enough.
 
 `--server trtllm --url HOST:PORT` checks a TensorRT-LLM deployment instead (what
 build_scripts/gpu_host.sh starts): the route's entry model and request inputs come from
@@ -14,10 +20,11 @@ triton_repo/gpu_routes.json, the reference runs in float32 on --device, and pari
 near-tie rule, because TensorRT-LLM computes in bf16/fp16 (FP8 kernels for FP8 checkpoints) where a
 k-token verify and a 1-token step round apart. Reports: reports_gpu/.
 
-Writes reports/verify.json, verify.md and two PNG plots; exits 1 when parity fails or the
-acceptance length is under --ar-lower-bound. Parity is exact (any difference fails) where the
-runtime can be exact: float64, or float32 without quantized activations/KV (see
-quantize.rounds_activations); elsewhere a divergence passes only at a near-tie.
+Writes reports/verify.json, verify.md and two PNG plots; exits 1 when a. is not 100%, when served
+parity fails or the acceptance length is under --ar-lower-bound. Served parity is exact (any
+difference fails) where the runtime can be exact: float64, or float32 without quantized
+activations/KV (see quantize.rounds_activations); elsewhere (bf16, the default serving dtype) a
+divergence passes only at a near-tie.
 
 Acceptance length is TensorRT-LLM's (runtime.types.acceptance_length): (accepted draft tokens +
 1 per target forward) / target forwards, the prefill not counted, from the server's own perf
@@ -41,6 +48,7 @@ from tqdm import tqdm
 from specdeploy.client import Request, TritonLLMClient
 from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
+from specdeploy.exactness import speculative_exactness
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.parity import ParityResult, compare, hf_reference
@@ -149,13 +157,35 @@ class Reference(NamedTuple):
         return torch.tensor([self.tokenizer(text)["input_ids"]], device=model_device(self.model))
 
 
-def load_reference(model_dir: Path, dtype: str, device: str) -> Reference:
+def load_reference(model_dir: Path, dtype: str, device: str, role: str = "reference") -> Reference:
     from specdeploy.device import announce, resolve_device
     from specdeploy.models import load_causal_lm, load_tokenizer
 
     where = resolve_device(device)
-    announce("verify (reference)", where)
+    announce(f"verify ({role}, {dtype})", where)
     return Reference(load_causal_lm(model_dir, dtype=dtype, device=str(where)), load_tokenizer(model_dir))
+
+
+def fidelity(original: Reference, prompts: list[Prompt], rows: list[dict[str, Any]], max_new_tokens: int,
+             served: str, dtype: str) -> dict[str, Any]:
+    """Greedy agreement of the served answers (`rows`) with the user's original model."""
+    agreement = []
+    for prompt, row in zip(prompts, rows):
+        ref = hf_reference(original.model, original.tokenizer, original.ids(prompt.text_input), max_new_tokens)
+        result = compare(prompt.text_input, ref, row["served"], original.tokenizer)
+        agreement.append({"category": prompt.category, "identical": result.match, "tokens": len(ref.token_ids),
+                          "first_divergence_token": result.first_divergence_token})
+    differing = [a["first_divergence_token"] for a in agreement if not a["identical"]]
+    return {
+        "original": f"the resolved base checkpoint in its own dtype ({dtype}), unquantized",
+        "served": served,
+        "prompts": len(agreement),
+        "identical": sum(a["identical"] for a in agreement),
+        # where answers part: early = the deployment changed what the model says, late = a detail
+        "mean_first_divergence_token": statistics.fmean(differing) if differing else None,
+        "rule": "reported, not judged: the effect of quantization and the deployment dtype, apart from speculation",
+        "rows": agreement,
+    }
 
 
 def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Reference, prompts: list[Prompt],
@@ -221,22 +251,61 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
     for category in sorted({r["category"] for r in rows}):
         subset = [r for r in rows if r["category"] == category]
         summary[f"acceptance_length_{category}"] = _acceptance(subset)
+        if speedups:
+            summary[f"speedup_{category}"] = sum(r["ar_latency_s"] for r in subset) / sum(r["latency_s"] for r in subset)
+            summary[f"speedup_min_{category}"] = min(r["speedup"] for r in subset)
     return summary
+
+
+def _flat(summary: dict[str, Any]) -> dict[str, Any]:
+    """The served report's own figures (the other reports and long texts are printed apart)."""
+    return {k: v for k, v in summary.items()
+            if k not in ("divergences", "acceptance_length_definition") and not isinstance(v, dict)}
+
+
+def headlines(summary: dict[str, Any]) -> list[str]:
+    """One line per report with its rule: what `make verify` prints and verify.md opens with."""
+    lines = []
+    exact = summary.get("exactness")
+    if exact:
+        lines.append(f"a. exactness ({exact['dtype']}, speculative vs plain greedy on the deployment's weights): "
+                     f"{exact['identical']}/{exact['prompts']} identical, acceptance length {exact['acceptance_length']:.2f}"
+                     f" -> {'PASS' if exact['ok'] else 'FAIL'} (rule: 100% identical)")
+    speed = "" if summary.get("speedup") is None else f", speed-up {summary['speedup']:.2f}x over the AR twin"
+    lines.append(f"b. served ({summary['dtype']}): parity {'PASS' if summary['parity_ok'] else 'FAIL'} "
+                 f"({summary['parity_rule']}; {summary['exact_match_rate']:.0%} identical), acceptance length "
+                 f"{summary['acceptance_length']:.2f}{speed}")
+    fid = summary.get("fidelity")
+    if fid:
+        where = "" if fid["mean_first_divergence_token"] is None else \
+            f", the others part at token {fid['mean_first_divergence_token']:.1f} on average"
+        lines.append(f"c. fidelity ({fid['served']} vs the original model, {fid['original']}): "
+                     f"{fid['identical']}/{fid['prompts']} identical{where} (reported, not judged)")
+    return lines
 
 
 def write_reports(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     atomic_write_json(out / "verify.json", {"summary": summary, "prompts": rows})
-    lines = ["# specdeploy verify", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items()
-              if k not in ("divergences", "acceptance_length_definition")]
+    lines = ["# specdeploy verify", "", *[f"- {line}" for line in headlines(summary)], "",
+             "## b. Served", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in _flat(summary).items()]
     lines += ["", f"Acceptance length: {ACCEPTANCE_DEFINITION}."]
-    lines += ["", "## Per prompt", "", "| category | match | first divergence | margin | accept len | speed-up |", "|---|---|---|---|---|---|"]
+    lines += ["", "## b. Served, per prompt", "", "| category | match | first divergence | margin | accept len | speed-up |", "|---|---|---|---|---|---|"]
     for r in rows:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         margin = f"{r['margin_at_divergence']:.3f}" if r["margin_at_divergence"] is not None else "-"
         lines.append(f"| {r['category']} | {r['match']} | {r['first_divergence_token'] or '-'} | {margin} | {r['acceptance_length']:.2f} | {speedup} |")
+    for name, report in (("a. Exactness", summary.get("exactness")), ("c. Fidelity", summary.get("fidelity"))):
+        if report:
+            lines += ["", f"## {name}", "", f"Rule: {report['rule']}.", "", "| prompt | identical | first difference |", "|---|---|---|"]
+            lines += [f"| {i} | {r['identical']} | {_first(r)} |" for i, r in enumerate(report["rows"])]
     atomic_write_text(out / "verify.md", "\n".join(lines) + "\n")
     _plots(out, rows)
+
+
+def _first(row: dict[str, Any]) -> str:
+    index = row.get("first_difference", row.get("first_divergence_token"))
+    return "-" if index is None else str(index)
 
 
 def _plots(out: Path, rows: list[dict[str, Any]]) -> None:
@@ -283,23 +352,35 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
     deployment = json.loads((cpu_repo / DEPLOYMENT).read_text())
     dtype = deployment["dtype"]
     reference = load_reference((cpu_repo / DEPLOYMENT).parent / deployment["model_dir"], dtype, device)
+    quant = getattr(reference.model, "specdeploy_quant", {})
     prompts = load_prompts(per_category, reference.tokenizer)
     twin_dir = build.root / ".ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
-    with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as servers:
-        if url is None:
-            url = servers.enter_context(TritonServer(cpu_repo, log_path=tmp / "tritonserver.log")).grpc_url
-        ar = None
-        if baseline:
-            twin = autoregressive_twin(cpu_repo, twin_dir)
-            ar_server = servers.enter_context(TritonServer(twin, log_path=tmp / "tritonserver_ar.log"))
-            ar = TritonLLMClient(ar_server.grpc_url)
-            ar.wait_ready()
-        spec = TritonLLMClient(url)
-        spec.wait_ready()
-        rows = run_prompts(spec, ar, reference, prompts, max_new_tokens)
-        summary = summarize(rows, dtype, parity_rule(dtype, getattr(reference.model, "specdeploy_quant", {})), near_tie)
+    with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp:
+        with ExitStack() as servers:  # the servers stop before the in-process checks load their models
+            if url is None:
+                url = servers.enter_context(TritonServer(cpu_repo, log_path=tmp / "tritonserver.log")).grpc_url
+            ar = None
+            if baseline:
+                twin = autoregressive_twin(cpu_repo, twin_dir)
+                ar_server = servers.enter_context(TritonServer(twin, log_path=tmp / "tritonserver_ar.log"))
+                ar = TritonLLMClient(ar_server.grpc_url)
+                ar.wait_ready()
+            spec = TritonLLMClient(url)
+            spec.wait_ready()
+            rows = run_prompts(spec, ar, reference, prompts, max_new_tokens)
+        shutil.rmtree(twin_dir.parent, ignore_errors=True)
+        summary = summarize(rows, dtype, parity_rule(dtype, quant), near_tie)
+        ids = [reference.ids(p.text_input)[0].tolist() for p in prompts]
+        del reference  # one model in memory at a time
+        from specdeploy.models import checkpoint_dtype
+
+        base = build.path("base")
+        original = load_reference(base, checkpoint_dtype(base), device, role="original model")
+        served = f"{dtype} CPU runtime on {quant.get('quant_algo') or 'unquantized'} weights"
+        summary["fidelity"] = fidelity(original, prompts, rows, max_new_tokens, served, checkpoint_dtype(base))
+        del original
+        summary["exactness"] = speculative_exactness(cpu_repo / DEPLOYMENT, ids, max_new_tokens, device)
         write_reports(tmp, summary, rows)
-    shutil.rmtree(twin_dir.parent, ignore_errors=True)
     return summary
 
 
@@ -350,17 +431,20 @@ def main(args: argparse.Namespace) -> int:
     summary = verify(build, per_category=args.prompts, max_new_tokens=args.max_new_tokens, url=args.url,
                      near_tie=args.near_tie, baseline=not args.no_baseline, device=args.device, server=args.server,
                      route=args.route)
-    for key, value in summary.items():
-        if key != "divergences":
-            print(f"{key:>28}: {value:.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
+    for key, value in _flat(summary).items():
+        print(f"{key:>28}: {value:.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
+    print("\n".join(headlines(summary)))
     for d in summary["divergences"]:
         print(f"  divergence at token {d['token']} (margin {d['margin']}): {d['prompt']!r}")
     out = build.path(GPU_OUT if args.server == "trtllm" else OUT)
     print(f"reports: {out}/verify.json, verify.md, acceptance_length.png" + (", speedup.png" if summary["speedup"] else ""))
     if summary["parity_rule"] != "exact" and args.server == "cpu":
-        print(f"note: {summary['dtype']} cannot be exact here, divergences judged by the near-tie rule; "
-              "package with --dtype auto (float64 when activations or K/V are quantized) for the exact check")
+        print(f"note: served {summary['dtype']} cannot be exact, so its divergences are judged by the near-tie rule; "
+              "report a. is the exact check (float64, in-process, the same deployment)")
     failed = not summary["parity_ok"]
+    if summary.get("exactness") and not summary["exactness"]["ok"]:
+        print("FAIL: speculative decoding changed the greedy output in float64 (report a.): a bug in speculation")
+        failed = True
     if args.ar_lower_bound is not None and summary["acceptance_length"] < args.ar_lower_bound:
         print(f"FAIL: acceptance length {summary['acceptance_length']:.2f} < --ar-lower-bound {args.ar_lower_bound}")
         failed = True

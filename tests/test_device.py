@@ -105,3 +105,17 @@ def test_same_size_rewrite_makes_stage_incomplete(tmp_path, monkeypatch):
 def test_cli_version():
     out = subprocess.run([sys.executable, "-m", "specdeploy", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("specdeploy ") and out.stdout.split()[1][0].isdigit()
+
+
+def test_the_fast_dtype_is_bf16_only_where_it_is_native(monkeypatch, tmp_path, capsys):
+    from specdeploy.device import fast_dtype, native_bf16
+    from specdeploy.triton.package import serve_dtype
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("SPECDEPLOY_CPU_BF16", "1")
+    assert native_bf16(cpu) and fast_dtype(cpu) == "bfloat16" and serve_dtype("native", tmp_path, "cpu") == "bfloat16"
+    monkeypatch.setenv("SPECDEPLOY_CPU_BF16", "0")
+    assert fast_dtype(cpu) == "float32" and serve_dtype("native", tmp_path, "cpu") == "float32"
+    assert "no native bf16" in capsys.readouterr().out  # said plainly, with the way to force it
+    assert serve_dtype("bfloat16", tmp_path, "cpu") == "bfloat16"  # an explicit choice is kept
+    assert serve_dtype("auto", tmp_path, "cpu") == "float32"  # unquantized: exact in float32

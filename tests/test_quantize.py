@@ -383,9 +383,10 @@ def test_preflight_names_no_report_when_only_the_report_is_too_big(tmp_path, tin
     """Calibration holds one copy of the model, the report two (base + quantized)."""
     build = _build(tmp_path, tiny128_dir)
     base = build.path("base")
-    weights = placement.preflight.weights_bytes(base, "bfloat16")
-    calibration = weights + placement.activation_bytes(base, 32, "bfloat16")
-    report = 2 * weights + placement.activation_bytes(base, stage.REPORT_PROMPT_TOKENS + 32, "bfloat16")
+    dtype = stage.compute_dtype("bfloat16", torch.device("cpu"))  # float32 where the CPU has no native bf16
+    weights = placement.preflight.weights_bytes(base, dtype)
+    calibration = weights + placement.activation_bytes(base, 32, dtype)
+    report = 2 * weights + placement.activation_bytes(base, stage.REPORT_PROMPT_TOKENS + 32, dtype)
     assert report > 1.1 * calibration
     monkeypatch.setenv("SPECDEPLOY_MEMORY_BUDGET_GIB", str(1.05 * calibration / 0.9 / 2**30))
     with pytest.raises(SpecDeployError, match="quality report") as err:

@@ -239,6 +239,7 @@ def triton_model(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)
     spec = importlib.util.spec_from_file_location("specdeploy_triton_model", MODEL_PY)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # as Triton's stub does: its dataclasses resolve their module
     ctype = locale.setlocale(locale.LC_CTYPE)
     spec.loader.exec_module(module)  # sets the stub's locale: this process gets its own back
     locale.setlocale(locale.LC_CTYPE, ctype)

@@ -14,6 +14,8 @@ QFORMATS = {
 }
 QUANT_FORMATS: tuple[str, ...] = tuple(QFORMATS)  # the choices of --quant
 KV_CACHE = ("fp8", "int8", "none")
+# the deployment's weight dtype (quantize --dtype, engine --dtype); float32 only unquantized
+DEPLOY_DTYPES = ("bfloat16", "float16", "float32")
 BLOCK_QFORMATS = ("int4_awq", "w4a8_awq")
 AWQ_BLOCK_SIZES = (32, 64, 128)  # TRT-LLM's W4A16 AWQ kernels take 64 and 128; ModelOpt any divisor
 # TRT-LLM honours exclude_modules for FP8 and weight-only AWQ (quantize_layers); its INT8

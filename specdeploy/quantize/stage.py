@@ -11,15 +11,16 @@ from typing import Any
 
 import torch
 
-from specdeploy.device import add_device_arg, announce, resolve_device
+from specdeploy.device import add_device_arg, announce, fast_dtype, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
-from specdeploy.models import load_tokenizer
+from specdeploy.models import checkpoint_dtype, load_tokenizer
 from specdeploy.quantize.calibrate import calibration_batches, quantize_model
 from specdeploy.quantize.config import check_block_size, check_exclude_format, check_format, excluded_linears, quant_config
 from specdeploy.quantize.export import copy_tokenizer_files, export_checkpoint, load_base
-from specdeploy.quantize.formats import FP4_QFORMATS, KV_CACHE
+from specdeploy.quantize.formats import DEPLOY_DTYPES, FP4_QFORMATS, KV_CACHE
+from specdeploy.quantize.loader import torch_dtype
 from specdeploy.quantize.placement import Placement, place
 from specdeploy.quantize.report import quality_report, report_markdown
 from specdeploy.quantize.spec_module import quantize_spec_module
@@ -35,9 +36,7 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
         report: bool = True, report_prompts: int = 8, report_tokens: int = 32, report_texts: int = 16,
         seed: int = 0, exclude: list[str] | None = None, device: str = "auto", trust_remote_code: bool = False) -> Path:
     """Stage `quantize`: build/<name>/quantized/, computed on `device` (auto|cpu|cuda|cuda:N)."""
-    if dtype not in ("bfloat16", "float16"):
-        raise SpecDeployError(f"quantize in bfloat16 or float16, not {dtype}",
-                              hint="ModelOpt's export does not cast unquantized weights: fp32 would ship fp32")
+    check_deploy_dtype(dtype, qformat, kv_cache)
     check_format(qformat, kv_cache, awq_block_size)  # before loading anything
     check_exclude_format(qformat, exclude or [])
     if build.record("resolve") is None:
@@ -56,14 +55,26 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
         return build.path(OUT)
     torch_device = resolve_device(device)
     described = announce(STAGE, torch_device)
+    saved = checkpoint_dtype(build.path("base"))
+    if saved != dtype:  # said plainly: a cast changes the model's output a little (verify's fidelity report)
+        print(f"the base was saved in {saved}; the deployment's weights are cast to {dtype} (--dtype)")
     with build.stage(STAGE, OUT, settings, consumes=consumes, device=described) as tmp:
-        _quantize_into(tmp, build.path("base"), spec_dir, settings, torch_device, trust_remote_code)
+        _quantize_into(tmp, build.path("base"), spec_dir, {**settings, "compute_dtype": compute_dtype(dtype, torch_device)},
+                       torch_device, trust_remote_code)
     return build.path(OUT)
+
+
+def compute_dtype(export_dtype: str, device: torch.device) -> str:
+    """What calibration and the report compute in: the export dtype, unless the CPU would emulate
+    it (bf16/fp16 without native support: several times slower than float32); the calibrated
+    model is cast to the export dtype just before export."""
+    fast = fast_dtype(device)
+    return export_dtype if device.type == "cuda" or export_dtype == fast else fast
 
 
 def _placements(base_dir: Path, settings: dict[str, Any], device: torch.device) -> tuple[Placement, Placement | None]:
     """Where calibration and the report load their models, checked before either loads one."""
-    dtype = settings["dtype"]
+    dtype = settings["compute_dtype"]
     other_device = "--device cpu on a host with enough RAM" if device.type == "cuda" else "--device cuda on a GPU host"
     calibration = place("calibration", base_dir, dtype, device, settings["calib_seq_len"], options=[
         f"a shorter --calib-seq-len than {settings['calib_seq_len']} (activations)",
@@ -86,7 +97,7 @@ def _quantize_into(out: Path, base_dir: Path, spec_dir: Path | None, settings: d
     copy_tokenizer_files(base_dir, out)
     quant_spec_dir = None
     if settings["quantize_spec"]:
-        quant_spec_dir = quantize_spec_module(base_dir, spec_dir, out / "spec", batches, settings["dtype"], calibration,
+        quant_spec_dir = quantize_spec_module(base_dir, spec_dir, out / "spec", batches, settings["compute_dtype"], calibration,
                                               trust_remote_code)
     atomic_write_json(out / "specdeploy_quant.json", {
         "settings": settings,
@@ -101,17 +112,28 @@ def _quantize_into(out: Path, base_dir: Path, spec_dir: Path | None, settings: d
         _write_report(out, base_dir, spec_dir, quant_spec_dir, settings, report_placement, trust_remote_code)
 
 
+def check_deploy_dtype(dtype: str, qformat: str, kv_cache: str) -> None:
+    """The deployment's weight dtype: bf16/fp16 always; float32 only where nothing is calibrated
+    (--quant none, no KV quantization), to deploy the original fp32 weights unchanged."""
+    if dtype not in DEPLOY_DTYPES:
+        raise SpecDeployError(f"unknown deployment dtype {dtype!r}", hint=f"use one of {', '.join(DEPLOY_DTYPES)}")
+    if dtype == "float32" and (qformat != "none" or kv_cache != "none"):
+        raise SpecDeployError(f"--dtype float32 deploys unquantized weights, but --quant {qformat} / KV cache {kv_cache} was asked",
+                              hint="quantize in bfloat16 or float16, or use --quant none --kv-cache none for float32")
+
+
 def _quantize_and_export(out: Path, base_dir: Path, batches: list[torch.Tensor], settings: dict[str, Any],
                          placement: Placement, trust_remote_code: bool) -> tuple[float, list[str]]:
     """Calibrate a fresh bf16/fp16 instance and export it into `out`: (calibration seconds,
     the Linears --exclude kept unquantized)."""
     qformat, kv_cache = settings["qformat"], settings["kv_cache"]
-    model = load_base(base_dir, settings["dtype"], placement, trust_remote_code)  # a fresh instance: export mutates it
+    model = load_base(base_dir, settings["compute_dtype"], placement, trust_remote_code)  # fresh: export mutates it
     check_block_size(model, qformat, settings["awq_block_size"])
     kept = excluded_linears(model, qformat, settings.get("exclude", []))
     started = time.time()
     quantize_model(model, qformat, kv_cache, batches, settings["awq_block_size"], kept)
     seconds = time.time() - started
+    model.to(torch_dtype(settings["dtype"]))  # the deployment's dtype (a no-op unless computed in another)
     if qformat == "none" and kv_cache == "none":
         model.save_pretrained(out)
     else:
@@ -122,7 +144,7 @@ def _quantize_and_export(out: Path, base_dir: Path, batches: list[torch.Tensor],
 
 def _write_report(out: Path, base_dir: Path, spec_dir: Path | None, quant_spec_dir: Path | None,
                   settings: dict[str, Any], placement: Placement, trust_remote_code: bool) -> None:
-    report = quality_report(base_dir, out, dtype=settings["dtype"], prompts=settings["report_prompts"],
+    report = quality_report(base_dir, out, dtype=settings["compute_dtype"], prompts=settings["report_prompts"],
                             max_new_tokens=settings["report_tokens"], ppl_texts=settings["report_texts"],
                             ppl_seq_len=PPL_SEQ_LEN, spec_dir=spec_dir, quant_spec_dir=quant_spec_dir,
                             seed=settings["seed"], placement=placement, trust_remote_code=trust_remote_code)
@@ -144,7 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-spec", action="store_true", help="measure only: also calibrate the Medusa/EAGLE module in FP8 and report its acceptance; "
                         "no TensorRT-LLM route checked loads a quantized drafter, so builds deploy the module unquantized "
                         "(convert refuses a quantized spec/)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="cast before quantizing")
+    parser.add_argument("--dtype", choices=DEPLOY_DTYPES, default="bfloat16",
+                        help="the deployment's weight dtype, cast before quantizing (float32: only with --quant none "
+                             "--kv-cache none); `make verify`'s fidelity report measures its effect")
     parser.add_argument("--awq-block-size", type=int, default=128, help="INT4 AWQ block size (32, 64, 128)")
     parser.add_argument("--exclude", nargs="+", metavar="PATTERN",
                         help="keep these Linears in the model dtype (fnmatch on HF names, e.g. '*mlp.down_proj' "

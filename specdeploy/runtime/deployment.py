@@ -18,6 +18,7 @@ import torch
 
 from specdeploy.device import check_device_spec, resolve_device
 from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams, model_device
@@ -79,6 +80,7 @@ class Decoder:
         draft_len: int | None = None,
         chat_template: bool = False,
         adaptive: bool = True,
+        spec_off_above: int | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -86,6 +88,7 @@ class Decoder:
         self.draft_len = draft_len
         self.chat_template = chat_template
         self.adaptive = adaptive  # see runtime/adaptive.py
+        self.spec_off_above = spec_off_above  # batches larger than this decode plainly (batch.py)
 
     @property
     def device(self) -> torch.device:
@@ -110,6 +113,19 @@ class Decoder:
         has already tokenized); `on_tokens` gets each accepted group."""
         return generate(self.target, prompt_ids, params, self.proposer, on_tokens=on_tokens,
                         draft_len=self.draft_len, decode=self.decode, adaptive=self.adaptive)
+
+    def batcher(self, max_batch_size: int = 8, spec_off_above: int | None = None) -> InflightBatcher:
+        """An in-flight batcher over this deployment (each sequence gets a fork of the proposer);
+        `spec_off_above` None takes the deployment's."""
+        return InflightBatcher(
+            self.target,
+            self.proposer.fork if self.proposer is not None else None,
+            draft_len=self.draft_len,
+            max_batch_size=max_batch_size,
+            spec_off_above=self.spec_off_above if spec_off_above is None else spec_off_above,
+            decode=self.decode,
+            adaptive=self.adaptive,
+        )
 
     def generate(
         self,
@@ -194,10 +210,22 @@ def check_no_sliding_window(config: Any, path: Path) -> None:
         )
 
 
-def load_decoder(path: str | Path, device: str | torch.device | None = None) -> Decoder:
-    """A Decoder from deployment.json: {"model_dir", "dtype", "device", "spec": {"kind", "adaptive", ...}}.
+def spec_off_above(config: dict[str, Any], path: Path) -> int | None:
+    """deployment.json's optional "spec_off_above": in-flight batches with more active requests
+    than that decode plainly (batch.py); absent: always speculate."""
+    value = config.get("spec_off_above")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise SpecDeployError(f"{path}: spec_off_above must be a non-negative integer, got {value!r}",
+                              hint="omit it to always speculate, or give a batch size such as 4")
+    return value
 
-    Relative paths are relative to the folder holding the file. `device` overrides the file's.
+
+def load_decoder(path: str | Path, device: str | torch.device | None = None, dtype: str | None = None) -> Decoder:
+    """A Decoder from deployment.json: {"model_dir", "dtype", "device", "spec_off_above",
+    "spec": {"kind", "adaptive", ...}}.
+
+    Relative paths are relative to the folder holding the file. `device` and `dtype` override the
+    file's (verify's float64 exactness check loads the same deployment in float64).
     `adaptive` false (the default) speculates every step with the full draft, as TensorRT-LLM does.
     """
     path = Path(path)
@@ -207,8 +235,9 @@ def load_decoder(path: str | Path, device: str | torch.device | None = None) -> 
         raise SpecDeployError(f"cannot read {path}: {err}", hint="run `specdeploy package` to write it") from err
     if "model_dir" not in config:
         raise SpecDeployError(f"{path} has no model_dir", hint="re-run `specdeploy package`")
+    off_above = spec_off_above(config, path)
     where = deployment_device(config, path, device)
-    dtype = config.get("dtype", "float32")
+    dtype = dtype or config.get("dtype", "float32")
     if dtype == "float64" and where.type == "cuda":
         # the package stage chose it to prove exact parity; allowed, but it is not a serving dtype
         print(f"specdeploy runtime: {path} serves in float64 on {where}: exact, but 4x the memory of bfloat16 "
@@ -224,4 +253,5 @@ def load_decoder(path: str | Path, device: str | torch.device | None = None) -> 
         draft_len=spec.get("max_draft_len"),
         chat_template=bool(config.get("chat_template", False)),
         adaptive=bool(spec.get("adaptive", False)),
+        spec_off_above=off_above,
     )

@@ -8,6 +8,7 @@ proposer it is talking to.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,9 +125,20 @@ class Proposer(ABC):
     hidden_layers: tuple[int, ...] = ()
     #: 'chain' proposers get a draft length; 'tree' proposers bring their own shape
     kind: str = "chain"
+    #: attributes holding helpers with per-request state of their own, which `fork` copies
+    per_request: tuple[str, ...] = ()
 
     def reset(self) -> None:
         """Forget any per-request state; called before each new request."""
+
+    def fork(self) -> "Proposer":
+        """A proposer for one more concurrent request (in-flight batching): the same weights,
+        its own per-request state (`reset` rebinds it; the helpers named in `per_request` are copied)."""
+        twin = copy.copy(self)
+        for name in self.per_request:
+            setattr(twin, name, copy.copy(getattr(self, name)))
+        twin.reset()
+        return twin
 
     @abstractmethod
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
@@ -192,5 +204,5 @@ class GenerationMetrics:
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # new tokens only
-    finish_reason: str  # "length" | "stop"
+    finish_reason: str  # "length" | "stop" | "cancelled" (in-flight batching)
     metrics: GenerationMetrics

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.choices import parse_choices
-from specdeploy.device import add_device_arg, announce, describe, resolve_device
+from specdeploy.device import add_device_arg, announce, describe, fast_dtype, resolve_device
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.spec.parallel import setup
 from specdeploy.spec.presets import PRESETS, TABLE, settings_for, tier_for
@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_loader_args(val)
     val.add_argument("--spec-dir", help="a spec/ folder (default: the build's)")
     val.add_argument("--base-dir", help="the base model folder (default: the build's base/)")
-    val.add_argument("--dtype", default="bfloat16", help="target dtype (bfloat16: the CPU serving dtype)")
+    val.add_argument("--dtype", default="native", choices=["native", "float32", "bfloat16", "float16"],
+                     help="target dtype; native (default): bfloat16 where the device computes it natively, else float32")
     val.add_argument("--prompts", type=int, default=8, help="prompts per category (default 8)")
     val.add_argument("--categories", default="chat,code", help="comma list of chat,code")
     val.add_argument("--max-new-tokens", type=int, default=96)
@@ -152,6 +153,7 @@ def _validate(args: argparse.Namespace) -> int:
     categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
     device = resolve_device(args.device)
     announce("spec validate", device)
+    args.dtype = fast_dtype(device) if args.dtype == "native" else args.dtype
     target, tokenizer, proposer = load_for_validation(base_dir, spec_dir, args.dtype, _proposer_options(args, kind),
                                                       device=device, trust_remote_code=args.trust_remote_code)
     results = measure(target, tokenizer, proposer, categories=categories, num_prompts=args.prompts,

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specdeploy.device import resolve_device
+from specdeploy.device import fast_dtype, resolve_device
 from specdeploy.fileio import cache_dir, content_fingerprint
 from specdeploy.spec import memory
 from specdeploy.spec.common import chat_prompts, load_base
@@ -205,15 +205,17 @@ def _jobs(root: Path, num_prompts: int, conversations: int, gen_seq: int, tf_seq
 
 def distill(
     model_dir: str | os.PathLike, *, num_prompts: int, max_new_tokens: int, layers: list[int],
-    batch_size: int = 32, dtype: str = "bfloat16", teacher_forced_samples: int = 0, tf_max_tokens: int = TF_MAX_TOKENS,
+    batch_size: int = 32, dtype: str | None = None, teacher_forced_samples: int = 0, tf_max_tokens: int = TF_MAX_TOKENS,
     device: Any = "auto", trust_remote_code: bool = False, parallel: Parallel | None = None,
 ) -> ShardedData:
     """Cached training data: the base's answers to the first `num_prompts` training prompts, plus
     `teacher_forced_samples` ShareGPT answers read by the base. Stored in shards that each appear
     atomically, so an interrupted generation resumes at the first missing shard and a larger
     request reuses a smaller one's shards. The memory preflight runs before the base is loaded;
-    under torchrun each rank makes its share of the missing shards."""
+    under torchrun each rank makes its share of the missing shards. The base computes in `dtype`,
+    by default the device's fast one (bf16 where native, else float32: device.fast_dtype)."""
     model_dir, device = Path(model_dir), resolve_device(device)
+    dtype = dtype or fast_dtype(device)
     parallel = parallel or Parallel(device=device)
     layers = sorted(layers)
     settings = {"max_new_tokens": max_new_tokens, "layers": layers, "dtype": dtype, "max_prompt_tokens": MAX_PROMPT_TOKENS,

@@ -3,8 +3,8 @@ self-distillation data; checkpointed (safetensors) and resumable; writes the spe
 
 Training runs on the stage's device: the base without its decoder layers (embeddings and lm_head:
 all the module needs besides the cached hidden states) in `frozen_dtype(device)` (bf16 on a GPU,
-fp32 on the CPU), the module's master weights in fp32, the forward under bf16 autocast on the
-device's type. The budget is a number of steps, never wall-clock time, so the same settings make
+fp32 on the CPU), the module's master weights in fp32, the forward under bf16 autocast where
+the device has native bf16 (device.native_bf16), else in fp32. The budget is a number of steps, never wall-clock time, so the same settings make
 the same module on another machine. Data-parallel under torchrun (spec.parallel)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specdeploy.choices import DEFAULT_TREE_10, validate_choices
-from specdeploy.device import frozen_dtype, resolve_device
+from specdeploy.device import frozen_dtype, native_bf16, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
 from specdeploy.preflight import dtype_bytes
@@ -196,8 +196,9 @@ def _module(model: Any, kind: str) -> torch.nn.Module:
 
 
 def _step(model: Any, settings: TrainSettings, batch: dict, num_layers: int, device: torch.device) -> tuple[torch.Tensor, list[float]]:
-    # bf16 matmuls (AMX/avx512-bf16 on the CPU, tensor cores on a GPU); master weights fp32
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=AUTOCAST):
+    # bf16 matmuls where they are native (AMX/avx512-bf16 on the CPU, tensor cores on a GPU); on an
+    # AVX2-only CPU emulated bf16 made a quick-preset EAGLE step ~50 s instead of ~1 s: fp32 there
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=AUTOCAST and native_bf16(device)):
         if settings.kind == "medusa":
             return medusa_spec.training_step(model, batch)
         if settings.kind == "dflash":

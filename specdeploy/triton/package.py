@@ -51,7 +51,14 @@ OUT = "triton_repo"
 TRAINED = ("medusa", "eagle", "dflash")  # kinds whose deployment reads the spec stage's spec/ folder
 ROUTES_FILE = "gpu_routes.json"
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
-SERVE_DTYPES = ("auto", "float32", "float64", "bfloat16")
+# the CPU runtime's compute dtype: native (bf16 where the device has it, else float32), or a dtype,
+# or auto (the one where served greedy parity is exact: quantize.loader.parity_dtype)
+SERVE_DTYPES = ("native", "bfloat16", "float32", "float64", "auto")
+SERVE_DTYPE_HELP = ("compute dtype of the CPU runtime served by Triton: native (default): bfloat16 where the device "
+                    "computes it natively (a GPU deployment's dtype; CUDA, CPUs with AVX512-BF16/AMX), float32 where bf16 "
+                    "would be emulated (several times slower there); served parity by the near-tie rule in bf16, "
+                    "exactness proven by `verify` in float64. auto: the dtype in which served greedy parity is itself "
+                    "exact (float64 when activations or K/V are quantized, else float32)")
 ADAPTIVE_HELP = ("CPU deployment: fall back to plain decoding while speculation does not pay (faster on a CPU "
                  "with a weak module); default off: speculate every step, as TensorRT-LLM does")
 _UPSTREAM = ("resolve", "spec", "quantize", "convert", "build")
@@ -59,6 +66,7 @@ _UNSET_PARAM = re.compile(r'string_value:\s*"\$\{\w+\}"')
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 LLMAPI_CONTAINER_DIR = "/app/all_models/llmapi/tensorrt_llm/1"  # model.py + helpers.py (+ model.yaml, ours replaces it)
 BLS_CONTAINER_DIR = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1"
+CPU_MAX_QUEUE = 64  # requests in flight (queued + in the batch) before the CPU model answers "server busy"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,11 +172,18 @@ def _read_context_len(model_dir: Path) -> int | None:
 
 
 def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, limits: BuildLimits, *,
-                   max_batch_size: int, tree: ChoicesTree | None) -> None:
-    """Ensemble + pre/postprocessing + the Python-backend tensorrt_llm running the runtime."""
+                   max_batch_size: int, tree: ChoicesTree | None, max_queue: int = CPU_MAX_QUEUE) -> None:
+    """Ensemble + pre/postprocessing + the Python-backend tensorrt_llm running the runtime, whose
+    in-flight batch holds up to `max_batch_size` sequences and which answers "server busy" beyond
+    `max_queue` requests in flight."""
     kind = deployment["spec"]["kind"]
     values = {
         **_common(tokenizer_dir, limits, max_batch_size, decoupled=True),
+        # the model's execute() only queues a request and returns (its own scheduler thread batches
+        # across calls): a Triton queue delay would only add latency, and Triton's queue stays empty,
+        # so the bound that matters is the model's (specdeploy_max_queue, with a clear message)
+        "max_queue_delay_microseconds": 0,
+        "max_queue_size": 0,
         "triton_backend": "python",
         "instance_kind": instance_kind(deployment["device"]),
         "specdeploy_deployment": "deployment.json",
@@ -181,7 +196,17 @@ def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, li
         _fill_model(out / model, ibl / model, values)
     shutil.copytree(TEMPLATES / "cpu" / "tensorrt_llm", out / "tensorrt_llm", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__"))
+    _add_parameters(out / "tensorrt_llm" / "config.pbtxt",
+                    {"specdeploy_max_batch_size": max_batch_size, "specdeploy_max_queue": max_queue})
     atomic_write_json(out / "tensorrt_llm" / "1" / "deployment.json", deployment)
+
+
+def _add_parameters(config: Path, parameters: dict[str, Any]) -> None:
+    """The CPU runtime's own settings, appended to its model's config (the template is shared with the
+    GPU repository, whose backend has no use for them)."""
+    lines = [f'parameters: {{ key: "{key}" value: {{ string_value: "{_text(value)}" }} }}\n'
+             for key, value in parameters.items()]
+    atomic_write_text(config, config.read_text() + "".join(lines))
 
 
 def write_engine_repo(out: Path, kind: str, tree: ChoicesTree | None, engines: str, tokenizer_dir: str, limits: BuildLimits, *,
@@ -272,6 +297,24 @@ def _structure(kind: str, converted: dict[str, Any] | None, max_draft_len: int |
                               hint="re-run `specdeploy convert` with the same --max-draft-len (the CPU deployment must draft "
                                    "as the GPU host does)")
     return structure
+
+
+def serve_dtype(choice: str, model_dir: Path, device: str) -> str:
+    """The CPU runtime's compute dtype for a SERVE_DTYPES choice, said plainly when it is not bf16."""
+    from specdeploy.device import fast_dtype, native_bf16, resolve_device
+    from specdeploy.quantize.loader import parity_dtype
+
+    if choice == "auto":
+        return parity_dtype(model_dir)
+    if choice != "native":
+        return choice
+    if device.startswith("cuda"):  # packaged for a GPU, maybe on a host without one: bf16 (Ampere and newer)
+        return "bfloat16"
+    where = resolve_device(device)
+    if not native_bf16(where):
+        print(f"package: the CPU deployment computes in float32: {where} has no native bf16 (emulated bf16 is several "
+              "times slower there); `--dtype bfloat16` to force it")
+    return fast_dtype(where)
 
 
 def _local(path: Path, base: Path, root: Path) -> str:
@@ -388,7 +431,7 @@ def run(
     choices: list[list[int]] | str | None = None,
     max_draft_len: int | None = None,
     draft_model_dir: str | Path | None = None,
-    dtype: str = "auto",
+    dtype: str = "native",
     adaptive: bool = False,
     device: str = "auto",
     max_batch_size: int = 64,
@@ -400,8 +443,9 @@ def run(
 
     The GPU routes and the draft structure come from the convert stage (convert_summary.json);
     `choices` is a Medusa tree (default: the one the spec stage recorded); EAGLE drafts the chain
-    or dynamic tree convert named, never a static tree. `dtype` "auto" is the CPU runtime dtype in
-    which greedy parity is exact (quantize.loader.parity_dtype). `device` is where the CPU deployment
+    or dynamic tree convert named, never a static tree. `dtype` is the CPU runtime's compute dtype (SERVE_DTYPES):
+    "native" bf16 where the device computes it natively, else float32; "auto" the one in which
+    served greedy parity is exact (quantize.loader.parity_dtype). `device` is where the CPU deployment
     computes (auto|cpu|cuda|cuda:N, stored as given). `adaptive`: the CPU runtime falls back to
     plain decoding while speculation does not pay; off by default, as TensorRT-LLM speculates."""
     if spec == "eagle" and choices is not None:
@@ -411,10 +455,7 @@ def run(
     tree = _tree(choices)  # a bad tree fails before anything else
     device = check_device_spec(device)
     model_dir = _model_dir(build)
-    if dtype == "auto":
-        from specdeploy.quantize.loader import parity_dtype
-
-        dtype = parity_dtype(model_dir)
+    dtype = serve_dtype(dtype, model_dir, device)
     spec_dir = build.path("spec").resolve()
     if spec == "medusa":
         tree = tree or _medusa_tree(spec_dir, None)
@@ -516,9 +557,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--choices", help="Medusa choices tree, JSON ('[[0], [0, 0]]') or '{0}, {0, 0}'")
     parser.add_argument("--max-draft-len", type=int, help="draft tokens per step (default: what convert wrote, else 4)")
     parser.add_argument("--draft", help="draft model folder (spec=draft); default: the copy convert made, else spec/")
-    parser.add_argument("--dtype", choices=SERVE_DTYPES, default="auto",
-                        help="CPU runtime dtype; auto: float64 when activations or K/V are quantized, else float32 "
-                             "(the dtypes in which greedy parity is exact); bfloat16 is faster, parity at near-ties only")
+    parser.add_argument("--dtype", choices=SERVE_DTYPES, default="native", help=SERVE_DTYPE_HELP)
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     parser.add_argument("--max-batch-size", type=int, default=64, help="engine/llmapi max batch size")
     parser.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)

@@ -37,6 +37,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 class DFlashProposer(Proposer):
     kind = "chain"
+    per_request = ("head",)  # the restricted head keeps the request's own tokens
 
     def __init__(
         self, module: Any, embed: Any, lm_head: Any, hidden_layers: tuple[int, ...], *, block_size: int,

@@ -27,6 +27,7 @@ from specdeploy.runtime.types import DraftTree, Proposer, TargetState, model_dev
 
 class DraftModelProposer(Proposer):
     kind = "chain"
+    per_request = ("head",)  # the restricted head keeps the request's own tokens
 
     def __init__(
         self, draft: PreTrainedModel, vocab_size: int, head_rows: int | None = None, stop_below: float = 0.0

@@ -1,0 +1,409 @@
+"""In-flight batching: requests join and leave a running batch between rounds.
+
+Each `step()` admits waiting requests (each prefilled alone, then joined to the batch), runs one
+round for every active sequence, and retires the finished ones. A round is one batched target
+forward: every sequence feeds its pending token plus its own draft (a chain, a tree, or nothing),
+padded to the longest, and accepts its own path, exactly as `decoding.speculative_decode` does
+for one request.
+
+The KV cache is one transformers DynamicCache for the whole batch, which appends the same number
+of columns to every row. Instead of trimming rows to different lengths, each row keeps a boolean
+"valid column" mask: a round's columns that the row did not accept (rejected drafts, padding)
+stay in the cache but are masked out forever. Keys carry their rotary position, so a row's
+columns need be neither contiguous nor in order; only the mask and the explicit position ids
+(each row's true positions) matter. When at least half of the columns would go, every row's
+valid columns are gathered to the front (compaction). A leaving row is dropped from the batch
+dimension at once, so its memory goes with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.adaptive import AdaptiveDraftLength
+from specdeploy.runtime.decoding import (
+    DEFAULT_DRAFT_LEN,
+    DEFAULT_TREE_SIZE,
+    _Output,
+    _prompt_tensor,
+    eos_token_ids,
+    prefill,
+    prune,
+)
+from specdeploy.runtime.kv_cache import _layers
+from specdeploy.runtime.sampling import make_generator, next_token
+from specdeploy.runtime.types import (
+    DraftTree,
+    GenerationMetrics,
+    GenerationResult,
+    Proposer,
+    SamplingParams,
+    TargetState,
+    model_device,
+)
+from specdeploy.runtime.verify import accept, ancestry
+
+Hidden = dict[int, torch.Tensor]
+
+
+@dataclass
+class BatchRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    #: each accepted group of tokens, called from step()'s thread; raising cancels the sequence
+    on_tokens: Callable[[list[int]], None] | None = None
+
+
+@dataclass(eq=False)  # compared and hashed by identity: usable as a dict key
+class Sequence:
+    """The handle `add()` returns. `result` is set when done (finish_reason stop | length |
+    cancelled); `error` too when this sequence failed on its own (then finish_reason cancelled).
+    Timestamps are time.time_ns()."""
+
+    id: int
+    arrival_ns: int
+    done: bool = False
+    result: GenerationResult | None = None
+    error: Exception | None = None
+    first_scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+
+
+@dataclass
+class BatchStats:
+    """Cumulative over the batcher's life. Positions count per sequence-round verification:
+    drafted_at_position[i] = verifications whose draft reached depth i + 1, accepted_at_position[i]
+    = those that accepted at least i + 1 draft tokens (vLLM's per-position acceptance)."""
+
+    rounds: int = 0  # batched target forwards (prefills not counted)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    accepted_at_position: list[int] = field(default_factory=list)
+    drafted_at_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted_depth: int, accepted: int, draft_tokens: int) -> None:
+        self.draft_tokens += draft_tokens
+        self.accepted_draft_tokens += accepted
+        _count_up_to(self.drafted_at_position, drafted_depth)
+        _count_up_to(self.accepted_at_position, accepted)
+
+
+def _count_up_to(counts: list[int], n: int) -> None:
+    counts.extend([0] * (n - len(counts)))
+    for i in range(n):
+        counts[i] += 1
+
+
+class _Row:
+    """One sequence's decoding state: what `generate()` keeps in its locals."""
+
+    def __init__(self, seq: Sequence, request: BatchRequest, prompt: torch.Tensor, proposer: Proposer | None,
+                 batcher: "InflightBatcher") -> None:
+        params = request.params
+        self.seq, self.params, self.prompt, self.proposer = seq, params, prompt, proposer
+        self.chain = proposer is None or proposer.kind == "chain"
+        self.max_draft = batcher.draft_len or (DEFAULT_DRAFT_LEN if self.chain else DEFAULT_TREE_SIZE)
+        # seeded sampling must not depend on timing (adaptive.py); greedy output cannot
+        timed = params.greedy or params.seed is None
+        self.controller = AdaptiveDraftLength(self.max_draft, adaptive=batcher.adaptive and proposer is not None,
+                                              timed=timed)
+        self.hidden_layers = proposer.hidden_layers if proposer else ()
+        self.generator = make_generator(params.seed, batcher.device)
+        self.max_new = min(params.max_new_tokens, batcher.context_length - prompt.shape[1])
+        stop_ids = batcher.eos | set(params.stop_token_ids)
+        self.output = _Output(self.max_new, stop_ids, params.stop_strings, batcher.decode, request.on_tokens)
+        self.metrics = GenerationMetrics(prompt_tokens=prompt.shape[1])
+        self.pending = -1  # the emitted token not yet run through the target
+        self.consumed = prompt.shape[1]  # tokens in the cache: the pending token's position
+        self.unseen: Hidden = {}  # target states the proposer has not read yet
+        self.start = 0.0
+
+    def state(self) -> TargetState:
+        tokens = torch.cat([self.prompt, torch.tensor([self.output.tokens], device=self.prompt.device)], dim=1)
+        return TargetState(tokens=tokens, hidden=self.unseen, params=self.params, generator=self.generator)
+
+    def emit(self, group: list[int]) -> bool:
+        """Emit an accepted group (on_tokens may raise); True when the sequence is finished."""
+        now = time.time_ns()
+        self.seq.first_token_ns = self.seq.first_token_ns or now
+        self.seq.last_token_ns = now
+        self.pending = group[-1]
+        return self.output.extend(group)
+
+    def see(self, hidden: Hidden) -> None:
+        """A proposer sees the states of every token consumed since it last proposed."""
+        self.unseen = {layer: torch.cat([self.unseen[layer], h], dim=1) if layer in self.unseen else h
+                       for layer, h in hidden.items()}
+
+    def result(self, reason: str | None) -> GenerationResult:
+        self.metrics.elapsed_s = time.perf_counter() - self.start if self.start else 0.0
+        self.metrics.new_tokens = len(self.output.tokens)
+        return GenerationResult(token_ids=self.output.tokens, finish_reason=reason, metrics=self.metrics)
+
+
+class InflightBatcher:
+    """Serves many requests at once; `add`/`cancel` may be called from any thread, `step` from one.
+
+    `spec_off_above`: rounds with more active sequences than that decode plainly (one batched
+    token each), as Arctic's disable_by_batch_size; None always speculates. Other arguments as
+    `decoding.generate`; `proposer_factory` gives each sequence its own proposer (e.g. a built
+    proposer's `fork`), None decodes plainly.
+    """
+
+    def __init__(self, target, proposer_factory: Callable[[], Proposer] | None, *, draft_len: int | None = None,
+                 max_batch_size: int = 8, spec_off_above: int | None = None, decode=None,
+                 context_length: int | None = None, adaptive: bool = True) -> None:
+        if max_batch_size < 1:
+            raise SpecDeployError(f"max_batch_size must be >= 1, got {max_batch_size}", hint="use 1 or more")
+        if spec_off_above is not None and spec_off_above < 0:
+            raise SpecDeployError(f"spec_off_above must be >= 0, got {spec_off_above}",
+                                  hint="leave it unset to always speculate, 0 never speculates")
+        self.target, self.proposer_factory = target, proposer_factory
+        self.draft_len, self.max_batch_size, self.spec_off_above = draft_len, max_batch_size, spec_off_above
+        self.decode, self.adaptive = decode, adaptive
+        self.context_length = context_length or target.config.max_position_embeddings
+        self.device = model_device(target)
+        self.eos = eos_token_ids(target)
+        self.stats = BatchStats()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards _waiting and _cancel (add/cancel come from other threads)
+        self._waiting: deque[_Row] = deque()
+        self._cancel: set[int] = set()
+        self._rows: list[_Row] = []  # row i of the batch cache
+        self._cache: DynamicCache | None = None
+        self._valid: torch.Tensor | None = None  # (rows, columns) bool: the columns holding a row's tokens
+        self._finished: list[Sequence] = []
+
+    @property
+    def active(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: BatchRequest) -> Sequence:
+        """Validate a request now (SpecDeployError); it is admitted at the next step with room."""
+        request.params.validate()
+        prompt = _prompt_tensor(request.prompt_ids, self.context_length, self.device)
+        if request.params.stop_strings and self.decode is None:
+            raise SpecDeployError("stop strings need the tokenizer", hint="pass decode=tokenizer.decode")
+        proposer = self.proposer_factory() if self.proposer_factory else None
+        seq = Sequence(id=next(self._ids), arrival_ns=time.time_ns())
+        row = _Row(seq, request, prompt, proposer, self)
+        with self._lock:
+            self._waiting.append(row)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Finish `seq` as cancelled at the next step (its KV freed then)."""
+        with self._lock:
+            self._cancel.add(seq.id)
+
+    def step(self) -> list[Sequence]:
+        """Admit waiting requests, run one round for all active ones; the sequences that finished
+        in this step (cancelled ones included)."""
+        self._finished = []
+        with torch.inference_mode():
+            self._cancel_requested()
+            self._admit()
+            if self._rows:
+                self._round()
+                self._retire()
+        return self._finished
+
+    # ------------------------------------------------------------------ lifecycle
+    def _finish(self, row: _Row, reason: str | None = None, error: Exception | None = None) -> None:
+        row.seq.error = error
+        row.seq.result = row.result(reason or row.output.finish_reason or "length")
+        row.seq.done = True
+        self._finished.append(row.seq)
+
+    def _cancel_requested(self) -> None:
+        with self._lock:
+            cancel, self._cancel = self._cancel, set()
+            waiting = [row for row in self._waiting if row.seq.id in cancel]
+            for row in waiting:
+                self._waiting.remove(row)
+        for row in waiting + [row for row in self._rows if row.seq.id in cancel and not row.seq.done]:
+            self._finish(row, "cancelled")
+        if cancel:
+            self._retire()
+
+    def _admit(self) -> None:
+        while len(self._rows) < self.max_batch_size:
+            with self._lock:
+                if not self._waiting:
+                    return
+                row = self._waiting.popleft()
+            self._prefill(row)
+
+    def _prefill(self, row: _Row) -> None:
+        """Prefill a request alone and join it to the batch (unless its first token ends it)."""
+        row.seq.first_scheduled_ns = time.time_ns()
+        row.start = time.perf_counter()
+        try:
+            cache = DynamicCache(config=self.target.config)
+            logits, row.unseen = prefill(self.target, row.prompt, cache, row.hidden_layers)
+            row.metrics.time_to_first_token_s = time.perf_counter() - row.start
+            if row.emit([next_token(logits, row.params, row.generator)]):
+                self._finish(row)
+                return
+        except Exception as err:  # this request's failure (its on_tokens, say): the batch goes on
+            self._finish(row, "cancelled", err)
+            return
+        self._join(cache)
+        self._rows.append(row)
+
+    def _retire(self) -> None:
+        """Drop finished rows from the batch (their KV with them), compact when worth it."""
+        keep = [i for i, row in enumerate(self._rows) if not row.seq.done]
+        if not keep:
+            self._rows, self._cache, self._valid = [], None, None
+            return
+        if len(keep) < len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            for layer in _layers(self._cache):
+                layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
+                layer.values = layer.values.index_select(0, index.to(layer.values.device))
+            self._valid = self._valid.index_select(0, index)
+        self._compact()
+
+    # ------------------------------------------------------------------ the batch cache
+    def _join(self, cache: DynamicCache) -> None:
+        """Append a prefilled request's cache as a new row; the shorter side is padded with
+        masked columns."""
+        length = cache.get_seq_length()
+        mine = torch.ones(1, length, dtype=torch.bool, device=self.device)
+        if self._cache is None:
+            self._cache, self._valid = cache, mine
+            return
+        width = max(self._valid.shape[1], length)
+        for batch_layer, new_layer in zip(_layers(self._cache), _layers(cache)):
+            batch_layer.keys = _stack_padded(batch_layer.keys, new_layer.keys, width)
+            batch_layer.values = _stack_padded(batch_layer.values, new_layer.values, width)
+        self._valid = torch.cat([F.pad(self._valid, (0, width - self._valid.shape[1])),
+                                 F.pad(mine, (0, width - length))])
+
+    def _compact(self) -> None:
+        """Gather each row's valid columns to the front when that frees at least half the cache."""
+        counts = self._valid.sum(dim=1)
+        width = int(counts.max())
+        if 2 * width > self._valid.shape[1]:
+            return
+        # a stable sort of "invalid" puts each row's valid columns first, in their order
+        order = torch.sort(~self._valid, dim=1, stable=True).indices[:, :width]
+        for layer in _layers(self._cache):
+            index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
+                                                                         layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        self._valid = torch.arange(width, device=self.device)[None] < counts[:, None]
+
+    # ------------------------------------------------------------------ one round
+    def _round(self) -> None:
+        rows = self._rows
+        speculate = self.spec_off_above is None or len(rows) <= self.spec_off_above
+        start = time.perf_counter()
+        trees = [self._draft(row, speculate) for row in rows]
+        try:
+            logits, hidden = self._verify(rows, trees)
+        except Exception as err:  # the batch forward failed: the cache is no longer whole
+            for row in rows:
+                if not row.seq.done:
+                    self._finish(row, "cancelled", err)
+            return
+        self.stats.rounds += 1
+        seconds = time.perf_counter() - start
+        kept = [self._advance(i, row, tree, logits, hidden, seconds if speculate else None)
+                for i, (row, tree) in enumerate(zip(rows, trees))]
+        self._valid = torch.cat([self._valid, torch.tensor(kept, dtype=torch.bool, device=self.device)], dim=1)
+
+    def _draft(self, row: _Row, speculate: bool) -> DraftTree:
+        """This round's draft for one row (empty: a plain step)."""
+        tree = DraftTree.empty(self.device)
+        length = row.controller.next_length() if speculate and row.proposer is not None else 0
+        if length == 0:
+            return tree
+        try:
+            tree = row.proposer.propose(row.state(), length if row.chain else row.max_draft)
+        except Exception as err:  # its proposer's failure: the row rides along padded, then leaves
+            self._finish(row, "cancelled", err)
+            return DraftTree.empty(self.device)
+        row.unseen = {}
+        return prune(tree, row.max_draft, row.max_new - len(row.output.tokens) - 1)
+
+    def _verify(self, rows: list[_Row], trees: list[DraftTree]) -> tuple[torch.Tensor, Hidden]:
+        """One target forward over every row's [pending] + draft, padded to the longest: logits
+        (rows, width, vocab) and the hidden states the proposers asked for."""
+        width = 1 + max(len(tree) for tree in trees)
+        ids, positions, blocks = [], [], []
+        for row, tree in zip(rows, trees):
+            pad = width - 1 - len(tree)
+            ids.append([row.pending] + tree.tokens.tolist() + [row.pending] * pad)
+            positions.append([row.consumed + depth for depth in [0] + tree.depths()] + [row.consumed] * pad)
+            blocks.append(F.pad(ancestry(tree.parents, self.device), (0, pad, 0, pad)))
+        # padding queries see only themselves; no real query ever sees a padding column
+        new = torch.stack(blocks) | torch.eye(width, dtype=torch.bool, device=self.device)
+        allowed = torch.cat([self._valid[:, None, :].expand(-1, width, -1), new], dim=2)
+        dtype = self.target.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        layers = sorted({layer for row in rows for layer in row.hidden_layers})
+        out = self.target(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            position_ids=torch.tensor(positions, dtype=torch.long, device=self.device),
+            attention_mask=mask[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+            output_hidden_states=bool(layers),
+        )
+        return out.logits, {layer: out.hidden_states[layer] for layer in layers}
+
+    def _advance(self, i: int, row: _Row, tree: DraftTree, logits: torch.Tensor, hidden: Hidden,
+                 seconds: float | None) -> list[bool]:
+        """Accept row i's path and emit it; which of the round's columns the row keeps.
+        `seconds` None: a round forced plain by spec_off_above, which says nothing to the controller."""
+        width = logits.shape[1]
+        if row.seq.done:  # failed while drafting: leaves at the end of the step
+            return [False] * width
+        if len(tree):
+            acceptance = accept(tree, logits[i, : 1 + len(tree)], row.params, row.generator)
+            group, path = acceptance.tokens(tree), acceptance.path
+            row.proposer.update(len(path), len(tree))
+        else:
+            group, path = [next_token(logits[i, 0], row.params, row.generator)], []
+        columns = [0] + [node + 1 for node in path]
+        if row.hidden_layers:
+            index = torch.tensor(columns, dtype=torch.long, device=self.device)
+            row.see({layer: hidden[layer][i : i + 1].index_select(1, index.to(hidden[layer].device))
+                     for layer in row.hidden_layers})
+        if seconds is not None:
+            row.controller.record(len(path), len(tree), seconds)
+        self.stats.record(max(tree.depths(), default=0), len(path), len(tree))
+        row.metrics.target_forwards += 1
+        row.metrics.draft_tokens += len(tree)
+        row.metrics.accepted_draft_tokens += len(path)
+        row.consumed += len(columns)
+        try:
+            if row.emit(group):
+                self._finish(row)
+        except Exception as err:  # its on_tokens raised: only this sequence ends
+            self._finish(row, "cancelled", err)
+        return [column in columns for column in range(width)]
+
+
+def _stack_padded(batch: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """Batch KV (rows, heads, cols, dim) and one new row, both padded to `width` columns."""
+    return torch.cat([F.pad(batch, (0, 0, 0, width - batch.shape[-2])), F.pad(new, (0, 0, 0, width - new.shape[-2]))])

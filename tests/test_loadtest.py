@@ -1,0 +1,170 @@
+"""`specdeploy loadtest`: the figures' arithmetic on hand-computed values, then one tiny sweep
+(concurrency 1 and 2, both arms) against two real tritonservers on the tiny model's packaged
+repository. The deployment drafts with the target itself, so drafts are accepted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from specdeploy import models
+from specdeploy.cli import main as cli_main
+from specdeploy.errors import SpecDeployError
+from specdeploy.loadtest import (AR, SPEC, arrival_times, break_even, chunk_tokens, count_tokens, inter_token_gaps,
+                                 parse_levels, percentiles)
+from specdeploy.manifest import BuildDir
+from specdeploy.triton import package
+from specdeploy.triton.serve import TritonServer
+from tests.tiny import make_llama
+
+MAX_TOKENS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# the figures
+
+
+def test_percentiles_interpolate_linearly():
+    got = percentiles([4.0, 1.0, 3.0, 2.0])
+    # sorted 1 2 3 4: p50 halfway between 2 and 3; p99 at rank 0.99 * 3 = 2.97, 3 + 0.97 * (4 - 3)
+    assert got["p50"] == pytest.approx(2.5) and got["p99"] == pytest.approx(3.97) and got["mean"] == pytest.approx(2.5)
+    assert percentiles([]) == {"p50": None, "p99": None, "mean": None}
+
+
+def test_itl_spreads_a_chunk_gap_over_its_tokens():
+    # first chunk (2 tokens) at 0.1 s is the TTFT; then 2 tokens 0.2 s later, 1 token 0.3 s later
+    assert inter_token_gaps([0.1, 0.3, 0.6], [2, 2, 1]) == pytest.approx([0.1, 0.1, 0.3])
+    # a chunk that adds no token (text that merges into the previous token) hands its gap on
+    assert inter_token_gaps([0.1, 0.2, 0.5], [1, 0, 2]) == pytest.approx([0.2, 0.2])
+    assert inter_token_gaps([0.1], [3]) == []
+
+
+def test_chunk_tokens_sum_to_the_answers_token_count(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    chunks = ["def add(a", ", b):\n", "    return", " a + b\n"]
+    counts = chunk_tokens(tokenizer, chunks)
+    assert len(counts) == 4 and all(c > 0 for c in counts)
+    assert sum(counts) == count_tokens(tokenizer, "".join(chunks))
+
+
+def test_break_even_is_the_first_level_below_one():
+    assert break_even([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) == 4
+    assert break_even([1, 2, 4], [1.4, 1.2, 1.01]) is None
+    assert break_even([1, 2], [None, 0.8]) == 2
+
+
+def test_levels_parse_and_bad_levels_are_refused():
+    assert parse_levels("8,1, 2,2") == [1, 2, 8]
+    for bad in ("0,2", "a,b", ""):
+        with pytest.raises(SpecDeployError, match="positive integers"):
+            parse_levels(bad)
+
+
+def test_poisson_arrivals_are_seeded_at_the_asked_rate():
+    assert arrival_times(3, None) == [0.0, 0.0, 0.0]
+    times = arrival_times(4001, 5.0, seed=1)
+    assert times[0] == 0.0 and times == sorted(times) and times == arrival_times(4001, 5.0, seed=1)
+    assert (len(times) - 1) / times[-1] == pytest.approx(5.0, rel=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# a real sweep
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory, tiny_tokenizer_dir) -> BuildDir:
+    model = tmp_path_factory.mktemp("tiny_long")  # the held-out prompts in the tiny tokenizer exceed 256 tokens
+    make_llama(model, AutoTokenizer.from_pretrained(tiny_tokenizer_dir), context=2048, seed=3)
+    build = BuildDir(tmp_path_factory.mktemp("loadtest") / "build")
+    models.run(build, str(model))
+    # float64: a batch of another shape rounds ~1e-16 apart, far below any logit margin: the exact rule
+    package.run(build, spec="draft", draft_model_dir=model, max_draft_len=4, dtype="float64")
+    return build
+
+
+@pytest.fixture(scope="module")
+def report(build) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "specdeploy", "loadtest", "--build-dir", str(build.root), "--concurrency", "1,2",
+         "--requests-per-level", "2", "--max-tokens", str(MAX_TOKENS), "--prompts", "1"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "break-even concurrency:" in done.stdout
+    return json.loads((build.path("loadtest") / "loadtest.json").read_text())
+
+
+def _figures(report: dict):
+    for entry in report["levels"]:
+        for arm in (SPEC, AR):
+            yield entry["concurrency"], arm, entry[arm]
+
+
+@pytest.mark.server
+def test_sweep_reports_both_arms_at_every_level(report, build):
+    assert [e["concurrency"] for e in report["levels"]] == [1, 2] and report["arms"] == [SPEC, AR]
+    assert report["ok"] and report["errors"] == 0
+    for level, arm, f in _figures(report):
+        assert f["requests"] == 2 and f["errors"] == 0, (level, arm, f["error_messages"])
+        for name in ("ttft_s", "tpot_s", "itl_s", "latency_s"):
+            assert 0 < f[name]["p50"] <= f[name]["p99"], (level, arm, name)
+    for entry in report["levels"]:
+        speedup = entry[SPEC]["output_tokens_per_s"] / entry[AR]["output_tokens_per_s"]
+        assert entry["speedup"] == pytest.approx(speedup)
+    # the target drafts for itself: drafts are accepted; the twin decodes one token per forward
+    assert all(e[SPEC]["acceptance_length"] > 1.0 for e in report["levels"])
+    assert all(e[AR]["acceptance_length"] == 1.0 for e in report["levels"])
+    assert (build.path("loadtest") / "loadtest.png").stat().st_size > 5000
+
+
+@pytest.mark.server
+def test_figures_follow_from_the_requests(report, tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    for level, arm, f in _figures(report):
+        rows = f["per_request"]
+        for row in rows:  # tokens are the served text's, re-tokenized
+            assert row["tokens"] == count_tokens(tokenizer, row["text"]) == sum(row["chunk_tokens"]) > 0
+            assert len(row["itl_s"]) == row["tokens"] - row["chunk_tokens"][0]
+            assert row["ttft_s"] == row["chunk_s"][0] <= row["latency_s"]
+            assert row["start_s"] + row["latency_s"] <= f["wall_s"]
+        assert f["output_tokens"] == sum(r["tokens"] for r in rows)
+        assert f["output_tokens_per_s"] == pytest.approx(f["output_tokens"] / f["wall_s"])
+        assert f["requests_per_s"] == pytest.approx(len(rows) / f["wall_s"])
+
+
+@pytest.mark.server
+def test_outputs_under_concurrency_equal_the_solo_runs(report):
+    # float64: the exact rule, a changed output would fail the run
+    assert report["dtype"] == "float64" and report["parity_rule"] == "exact"
+    for level, arm, f in _figures(report):
+        assert f["identical"] == f["compared"] == 2, (level, arm)
+    assert report["mismatches"] == 0
+
+
+def test_bad_arguments_are_clear_errors(build, capsys):
+    assert cli_main(["loadtest", "--build-dir", str(build.root), "--url-ar", "127.0.0.1:1"]) == 2
+    assert "--url-ar needs --url" in capsys.readouterr().err
+    assert cli_main(["loadtest", "--build-dir", str(build.root), "--concurrency", "0"]) == 2
+    assert "positive integers" in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_a_running_server_alone_is_one_arm_checked_against_a_solo_pass(build):
+    with TritonServer(build.path("triton_repo") / "cpu", log_path=build.root / "logs" / "loadtest-url.log", threads=1) as server:
+        done = subprocess.run(
+            [sys.executable, "-m", "specdeploy", "loadtest", "--build-dir", str(build.root), "--url", server.grpc_url,
+             "--concurrency", "2", "--requests-per-level", "2", "--max-tokens", "4", "--prompts", "1"],
+            capture_output=True, text=True, timeout=900,
+        )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((build.path("loadtest") / "loadtest.json").read_text())
+    assert report["arms"] == [SPEC] and [e["concurrency"] for e in report["levels"]] == [2]
+    # no concurrency 1 in the sweep: each prompt was first sent alone, as the outputs' reference
+    assert sorted(r["prompt"] for r in report["solo_reference"]) == [0, 1]
+    level = report["levels"][0]
+    assert level["speedup"] is None and level[SPEC]["identical"] == level[SPEC]["compared"] == 2
+    assert "break-even" not in done.stdout

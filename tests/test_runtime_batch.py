@@ -1,0 +1,341 @@
+"""In-flight batching: every sequence of a running batch decodes exactly as it would alone.
+
+Targets run in float64 here: a batched forward sums over padded, masked columns in another order
+than a solo one, and float64 keeps those rounding differences far below any argmax gap, so
+"equal to its solo generate()" is a test of the masks, positions and KV bookkeeping only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.batch import BatchRequest, InflightBatcher
+from specdeploy.runtime.decoding import generate
+from specdeploy.runtime.deployment import load_decoder
+from specdeploy.runtime.proposers import build_proposer
+from specdeploy.runtime.types import SamplingParams, model_device
+from tests.test_runtime_device import FactoryCalls
+from tests.test_runtime_helpers import PROMPTS, OracleTreeProposer, one_thread, tokenizer  # noqa: F401
+
+NEW = 24
+MORE_PROMPTS = PROMPTS + ["for i in range(10):\n", "Speculative decoding proposes tokens", "The"]
+# (step it is added at, prompt index, max_new_tokens): joins while others run, short ones leave
+# early, and with max_batch_size 3 later ones wait for a free row
+SCHEDULE = [(0, 0, NEW), (0, 1, 6), (1, 2, 20), (3, 3, 12), (3, 4, NEW), (4, 5, 16)]
+
+
+@pytest.fixture(scope="module")
+def target64(tiny_llama_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def draft64(tiny_draft_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_draft_dir, dtype=torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(text)["input_ids"] for text in MORE_PROMPTS]
+
+
+class TruthTrees(OracleTreeProposer):
+    """OracleTreeProposer for whichever known continuation the request is on: one proposer kind
+    for a whole batch, whose trees get true paths accepted through wrong siblings."""
+
+    def __init__(self, truths: list[list[int]], vocab: int) -> None:
+        super().__init__(truths[0], vocab)
+        self.truths = truths
+
+    def propose(self, state, max_tokens):
+        tokens = state.tokens[0].tolist()
+        self.truth = next(truth for truth in self.truths if truth[: len(tokens)] == tokens)
+        return super().propose(state, max_tokens)
+
+
+def make_proposer(kind: str, target, draft, truths=None):
+    return {
+        "none": lambda: None,
+        "ngram": lambda: build_proposer("ngram", target),
+        "draft": lambda: build_proposer("draft", target, draft_model=draft),
+        "draft-restricted": lambda: build_proposer("draft", target, draft_model=draft, head_rows=64, stop_below=0.3),
+        # the target drafting for itself: long accepted groups
+        "self-draft": lambda: build_proposer("draft", target, draft_model=target),
+        "eagle-chain": lambda: build_proposer("eagle", target, mode="chain", chain_len=3),
+        "eagle-tree": lambda: build_proposer("eagle", target, mode="dynamic", depth=3, draft_vocab=96),
+        "medusa": lambda: build_proposer("medusa", target, choices=[[0], [1], [0, 0], [0, 0, 0]]),
+        "dflash": lambda: build_proposer("dflash", target, block_size=4),
+        "oracle-tree": lambda: TruthTrees(truths, vocab=target.config.vocab_size),
+    }[kind]()
+
+
+def check_cache(batcher: InflightBatcher) -> None:
+    """The batch cache invariants: one row per active sequence, each row's valid columns are
+    exactly its consumed tokens, and compaction keeps the masked columns under half."""
+    if not batcher.active:
+        assert batcher._cache is None
+        return
+    valid = batcher._valid
+    assert batcher._cache.layers[0].keys.shape[0] == valid.shape[0] == batcher.active
+    assert batcher._cache.get_seq_length() == valid.shape[1]
+    counts = valid.sum(dim=1)
+    assert counts.tolist() == [row.consumed for row in batcher._rows]
+    assert valid.shape[1] < 2 * int(counts.max())
+
+
+def run(batcher: InflightBatcher, requests: list[tuple[int, BatchRequest]]) -> tuple[list, int, bool]:
+    """Add each request at its step, step until all are done: the sequences, the peak batch and
+    whether a request ever waited for a row."""
+    todo = sorted(enumerate(requests), key=lambda item: item[1][0])
+    seqs, peak, waited, step = [None] * len(requests), 0, False, 0
+    while todo or batcher.active or batcher.waiting:
+        while todo and todo[0][1][0] <= step:
+            index, (_, request) = todo.pop(0)
+            seqs[index] = batcher.add(request)
+        finished = batcher.step()
+        assert all(seq.done for seq in finished)
+        peak = max(peak, batcher.active + len(finished))
+        waited = waited or batcher.waiting > 0
+        assert batcher.active <= batcher.max_batch_size
+        check_cache(batcher)
+        step += 1
+        assert step < 500, "the batch never drained"
+    return seqs, peak, waited
+
+
+def scheduled(prompts, params=lambda max_new: SamplingParams(max_new_tokens=max_new)):
+    return [(step, BatchRequest(prompts[p], params(max_new))) for step, p, max_new in SCHEDULE]
+
+
+def solo(target, request: BatchRequest, proposer) -> list[int]:
+    return generate(target, request.prompt_ids, request.params, proposer, draft_len=4).token_ids
+
+
+# ---------------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft", "draft-restricted", "self-draft", "eagle-chain",
+                                  "eagle-tree", "medusa", "dflash", "oracle-tree"])
+def test_batched_greedy_equals_solo(kind, target64, draft64, prompts):
+    requests = scheduled(prompts)
+    # a stop token (the 4th token of a solo run) ends one request early with "stop"
+    first = solo(target64, requests[2][1], None)
+    requests[2] = (1, BatchRequest(prompts[2], SamplingParams(max_new_tokens=20, stop_token_ids=(first[3],))))
+    truths = [request.prompt_ids + solo(target64, request, None) for _, request in requests]
+    base = make_proposer(kind, target64, draft64, truths)
+    expected = [solo(target64, request, base) for _, request in requests]
+    groups: list[list[int]] = []
+    requests[0][1].on_tokens = groups.append
+    batcher = InflightBatcher(target64, base.fork if base else None, draft_len=4, max_batch_size=3)
+    seqs, peak, waited = run(batcher, requests)
+    assert [seq.result.token_ids for seq in seqs] == expected
+    assert [token for group in groups for token in group] == expected[0]
+    assert peak == 3 and waited
+    assert seqs[2].result.finish_reason == "stop" and seqs[0].result.finish_reason == "length"
+    for seq in seqs:
+        assert seq.error is None
+        assert seq.arrival_ns <= seq.first_scheduled_ns <= seq.first_token_ns <= seq.last_token_ns
+        assert seq.result.metrics.new_tokens == len(seq.result.token_ids)
+    if kind != "none":
+        assert batcher.stats.draft_tokens > 0, "speculation never ran"
+        assert sum(seq.result.metrics.draft_tokens for seq in seqs) == batcher.stats.draft_tokens
+    if kind in ("self-draft", "oracle-tree"):
+        assert batcher.stats.accepted_draft_tokens >= NEW
+        assert batcher.stats.accepted_at_position[0] <= batcher.stats.drafted_at_position[0]
+
+
+def test_rows_do_not_leak_into_each_other(target64, prompts):
+    """Two prompts that differ only in their first token, decoded side by side."""
+    first = prompts[2]
+    second = [first[0] + 1] + first[1:]
+    requests = [(0, BatchRequest(ids, SamplingParams(max_new_tokens=NEW))) for ids in (first, second)]
+    requests.append((2, BatchRequest(prompts[4], SamplingParams(max_new_tokens=NEW))))
+    expected = [solo(target64, request, None) for _, request in requests]
+    assert expected[0] != expected[1], "the test needs prompts the model tells apart"
+    seqs, _, _ = run(InflightBatcher(target64, None), requests)
+    assert [seq.result.token_ids for seq in seqs] == expected
+
+
+def test_qwen2_batches_exactly(prompts):
+    """Qwen2 (biased q/k/v projections, its own mask code path) honours the batch masks too."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.3, eos_token_id=0)
+    target = Qwen2ForCausalLM(config).to(torch.float64).eval()
+    base = build_proposer("ngram", target)
+    requests = scheduled(prompts)
+    expected = [solo(target, request, base) for _, request in requests]
+    seqs, _, _ = run(InflightBatcher(target, base.fork, draft_len=4, max_batch_size=3), requests)
+    assert [seq.result.token_ids for seq in seqs] == expected
+
+
+def test_fork_shares_weights_not_request_state(target64, draft64):
+    restricted = make_proposer("draft-restricted", target64, draft64)
+    twin = restricted.fork()
+    assert twin.draft is restricted.draft and twin.head.weight is restricted.head.weight
+    twin.head.see([300, 301])  # ids past the head's 64 common rows: this request's own
+    assert twin.head.extra_ids == [300, 301] and restricted.head.extra_ids == []
+    assert twin.cache is not restricted.cache
+    eagle = make_proposer("eagle-tree", target64, None)
+    assert eagle.fork().module is eagle.module and eagle.fork().cache is not eagle.cache
+
+
+# ---------------------------------------------------------------------------------- leaving early
+
+
+def test_cancel_frees_the_row_and_the_others_continue(target64, draft64, prompts):
+    base = make_proposer("draft", target64, draft64)
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=NEW)) for i in range(4)]
+    expected = [solo(target64, request, base) for request in requests]
+    batcher = InflightBatcher(target64, base.fork, draft_len=4, max_batch_size=3)
+    seqs = [batcher.add(request) for request in requests]
+    for _ in range(3):
+        assert batcher.step() == []
+    assert (batcher.active, batcher.waiting) == (3, 1)
+    batcher.cancel(seqs[1])
+    batcher.cancel(seqs[3])  # still waiting: never scheduled
+    assert not seqs[1].done  # cancelled at the step boundary, not before
+    finished = batcher.step()
+    assert seqs[1] in finished and seqs[3] in finished
+    assert batcher.active == 2 and batcher._cache.layers[0].keys.shape[0] == 2
+    partial = seqs[1].result
+    assert partial.finish_reason == "cancelled" and 0 < len(partial.token_ids) < NEW
+    assert partial.token_ids == expected[1][: len(partial.token_ids)]
+    assert seqs[3].result.token_ids == [] and seqs[3].first_scheduled_ns is None
+    while batcher.active:
+        batcher.step()
+    assert [seqs[i].result.token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert all(seq.error is None for seq in seqs)
+
+
+def test_a_raising_on_tokens_ends_only_its_sequence(target64, prompts):
+    calls = []
+
+    def hang_up(tokens):
+        calls.append(tokens)
+        if len(calls) == 3:
+            raise ConnectionResetError("client went away")
+
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=NEW)) for i in range(3)]
+    expected = [solo(target64, request, None) for request in requests]
+    requests[1].on_tokens = hang_up
+    batcher = InflightBatcher(target64, None)
+    seqs, _, _ = run(batcher, [(0, request) for request in requests])
+    assert isinstance(seqs[1].error, ConnectionResetError) and seqs[1].done
+    assert seqs[1].result.finish_reason == "cancelled" and seqs[1].result.token_ids == expected[1][:3]
+    assert [seqs[i].result.token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert seqs[0].error is None and seqs[2].error is None
+
+
+# ---------------------------------------------------------------------------------- spec_off_above
+
+
+def test_spec_off_above_decodes_large_batches_plainly(target64, prompts):
+    base = make_proposer("self-draft", target64, None)
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=n)) for i, n in enumerate((4, 8, NEW, NEW))]
+    expected = [solo(target64, request, base) for request in requests]
+    batcher = InflightBatcher(target64, base.fork, draft_len=4, spec_off_above=2, adaptive=False)
+    seqs = [batcher.add(request) for request in requests]
+    plain_rounds = spec_rounds = 0
+    while batcher.active or batcher.waiting:
+        drafted = batcher.stats.draft_tokens
+        finished = batcher.step()
+        in_round = batcher.active + len(finished)  # all admitted at the first step
+        if in_round > 2:
+            assert batcher.stats.draft_tokens == drafted, f"drafted in a round of {in_round}"
+            plain_rounds += 1
+        else:
+            spec_rounds += batcher.stats.draft_tokens > drafted
+    assert plain_rounds >= 3 and spec_rounds >= 1
+    assert [seq.result.token_ids for seq in seqs] == expected
+
+    never = InflightBatcher(target64, base.fork, draft_len=4, spec_off_above=0)
+    seqs, _, _ = run(never, [(0, request) for request in requests[:2]])
+    assert never.stats.draft_tokens == 0 and never.stats.rounds > 0
+    assert [seq.result.token_ids for seq in seqs] == expected[:2]
+
+
+# ---------------------------------------------------------------------------------- sampling
+
+
+def test_seeded_sampling_in_a_batch_is_reproducible(target64, draft64, prompts):
+    """Per-sequence generators: a seed gives the same tokens in any batch, and as alone."""
+    base = make_proposer("draft", target64, draft64)
+
+    def params(max_new: int, seed: int | None) -> SamplingParams:
+        greedy = seed is None
+        return SamplingParams(max_new_tokens=max_new, temperature=0.0 if greedy else 0.9, top_k=50, seed=seed)
+
+    seeds = [1, 2, None, 3, 1, 4]  # a greedy row among sampled ones; seed 1 twice, other prompts
+    requests = [(step, BatchRequest(prompts[p], params(n, seed))) for (step, p, n), seed in zip(SCHEDULE, seeds)]
+    runs = [run(InflightBatcher(target64, base.fork, draft_len=4, max_batch_size=3), requests)[0] for _ in range(2)]
+    first, second = ([seq.result.token_ids for seq in seqs] for seqs in runs)
+    assert first == second
+    assert first == [solo(target64, request, base) for _, request in requests]
+    reseeded = BatchRequest(prompts[0], params(NEW, 7))
+    other, _, _ = run(InflightBatcher(target64, base.fork, draft_len=4), [(0, reseeded)])
+    assert other[0].result.token_ids != first[0]
+
+
+# ---------------------------------------------------------------------------------- errors, device
+
+
+def test_add_validates_at_once(target64):
+    batcher = InflightBatcher(target64, None)
+    context = target64.config.max_position_embeddings
+    cases = [
+        (BatchRequest([], SamplingParams()), "the prompt is empty", "at least one token"),
+        (BatchRequest(list(range(context)), SamplingParams()), "context is 256", "shorten the prompt"),
+        (BatchRequest([1, 2], SamplingParams(max_new_tokens=0)), "max_new_tokens", "at least one"),
+        (BatchRequest([1, 2], SamplingParams(stop_strings=("x",))), "need the tokenizer", "decode="),
+    ]
+    for request, message, hint in cases:
+        with pytest.raises(SpecDeployError, match=message) as err:
+            batcher.add(request)
+        assert hint in err.value.hint
+    assert batcher.waiting == 0 and batcher.step() == []
+    with pytest.raises(SpecDeployError, match="max_batch_size"):
+        InflightBatcher(target64, None, max_batch_size=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["draft", "eagle-tree", "dflash"])
+def test_every_batch_tensor_is_made_on_the_target_device(kind, temperature, target64, draft64, prompts):
+    base = make_proposer(kind, target64, draft64)
+    requests = [(step, BatchRequest(prompts[p], SamplingParams(max_new_tokens=n, temperature=temperature, seed=3)))
+                for step, p, n in SCHEDULE[:4]]
+    with FactoryCalls() as watch:
+        seqs, _, _ = run(InflightBatcher(target64, base.fork, draft_len=4, max_batch_size=3), requests)
+    assert all(seq.result.token_ids for seq in seqs)
+    assert any("batch.py" in where for where, _, _ in watch.calls), "the watcher did not see the batcher"
+    assert watch.undirected() == [], "tensor factories without device= in the runtime"
+    assert watch.made_on() == {model_device(target64)}
+
+
+# ---------------------------------------------------------------------------------- deployment.json
+
+
+def test_deployment_spec_off_above_reaches_the_batcher(tmp_path, tiny_llama_dir, prompts):
+    path = tmp_path / "deployment.json"
+    config = {"model_dir": str(tiny_llama_dir), "dtype": "float64", "spec_off_above": 1,
+              "spec": {"kind": "ngram", "max_draft_len": 4}}
+    path.write_text(json.dumps(config))
+    decoder = load_decoder(path)
+    assert decoder.spec_off_above == 1
+    batcher = decoder.batcher(max_batch_size=2)
+    assert (batcher.spec_off_above, batcher.max_batch_size, batcher.draft_len) == (1, 2, 4)
+    assert decoder.batcher(spec_off_above=3).spec_off_above == 3
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=16)) for i in (0, 3)]
+    seqs, _, _ = run(batcher, [(0, request) for request in requests])
+    assert [seq.result.token_ids for seq in seqs] == [decoder.generate_ids(r.prompt_ids, r.params).token_ids
+                                                      for r in requests]
+    for bad in ("4", -1, True):
+        path.write_text(json.dumps({**config, "spec_off_above": bad}))
+        with pytest.raises(SpecDeployError, match="spec_off_above must be a non-negative integer") as err:
+            load_decoder(path)
+        assert "omit it" in err.value.hint
