@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("specdeploy.verify", "parity vs the Hugging Face reference, acceptance, speed-up, through Triton"),
     "generate": ("specdeploy.runtime.command", "generate in-process with the speculative-decoding runtime"),
     "bench": ("specdeploy.bench", "benchmark autoregressive vs speculative vs HF assisted generation"),
-    "loadtest": ("specdeploy.loadtest", "concurrent streaming clients against a live server"),
+    "loadtest": ("specdeploy.loadtest", "serving benchmark: speculative vs autoregressive over concurrency levels"),
 }
 
 

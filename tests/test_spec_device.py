@@ -109,6 +109,7 @@ def test_gpu_dtype_layout_runs_on_the_cpu(tiny_llama_dir, data, tmp_path, monkey
     """What a GPU trains (a bf16 frozen base, fp32 master weights, bf16 autocast), through the
     same code on the CPU: catches dtype mismatches without a GPU."""
     monkeypatch.setattr(train_mod, "frozen_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(train_mod, "native_bf16", lambda device: True)  # a GPU autocasts to bf16
     for kind in ("eagle", "medusa"):
         fitted = fit(tiny_llama_dir, TrainSettings(kind=kind, steps=3, **TINY), data=data, device="cpu")
         module = fitted.model.eagle_module if kind == "eagle" else fitted.model.medusa_heads

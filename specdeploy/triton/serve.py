@@ -91,7 +91,9 @@ def server_env(base: dict[str, str] | None = None, threads: int | None = None) -
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started the server dies, so a
-    killed test or client never leaves an orphan tritonserver (Linux prctl PR_SET_PDEATHSIG)."""
+    killed test or client never leaves an orphan tritonserver (Linux prctl PR_SET_PDEATHSIG). The
+    "parent" is the starting *thread*: start servers from the main thread (or one that outlives
+    them); one started from a pool worker is SIGTERMed when that worker exits."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
     except (OSError, AttributeError):
