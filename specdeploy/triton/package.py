@@ -313,7 +313,7 @@ def serve_dtype(choice: str, model_dir: Path, device: str) -> str:
     where = resolve_device(device)
     if not native_bf16(where):
         print(f"package: the CPU deployment computes in float32: {where} has no native bf16 (emulated bf16 is several "
-              "times slower there); `--dtype bfloat16` to force it")
+              "times slower there); `package --dtype bfloat16` / `engine --serve-dtype bfloat16` to force it")
     return fast_dtype(where)
 
 
