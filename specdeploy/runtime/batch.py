@@ -40,7 +40,7 @@ from specdeploy.runtime.decoding import (
     prefill,
     prune,
 )
-from specdeploy.runtime.kv_cache import _layers
+from specdeploy.runtime.kv_cache import cache_layers
 from specdeploy.runtime.sampling import make_generator, next_token
 from specdeploy.runtime.types import (
     DraftTree,
@@ -276,7 +276,7 @@ class InflightBatcher:
         if len(keep) < len(self._rows):
             self._rows = [self._rows[i] for i in keep]
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            for layer in _layers(self._cache):
+            for layer in cache_layers(self._cache):
                 layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
                 layer.values = layer.values.index_select(0, index.to(layer.values.device))
             self._valid = self._valid.index_select(0, index)
@@ -292,7 +292,7 @@ class InflightBatcher:
             self._cache, self._valid = cache, mine
             return
         width = max(self._valid.shape[1], length)
-        for batch_layer, new_layer in zip(_layers(self._cache), _layers(cache)):
+        for batch_layer, new_layer in zip(cache_layers(self._cache), cache_layers(cache)):
             batch_layer.keys = _stack_padded(batch_layer.keys, new_layer.keys, width)
             batch_layer.values = _stack_padded(batch_layer.values, new_layer.values, width)
         self._valid = torch.cat([F.pad(self._valid, (0, width - self._valid.shape[1])),
@@ -306,7 +306,7 @@ class InflightBatcher:
             return
         # a stable sort of "invalid" puts each row's valid columns first, in their order
         order = torch.sort(~self._valid, dim=1, stable=True).indices[:, :width]
-        for layer in _layers(self._cache):
+        for layer in cache_layers(self._cache):
             index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
                                                                          layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)

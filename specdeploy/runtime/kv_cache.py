@@ -11,7 +11,9 @@ import torch
 from transformers import DynamicCache
 
 
-def _layers(cache: DynamicCache) -> list:
+def cache_layers(cache: DynamicCache) -> list:
+    """The cache's filled layers (keys/values of shape (batch, kv_heads, seq, head_dim)); refuses
+    sliding-window layers, which cannot be trimmed or extended position by position."""
     layers = cache.layers
     if any(layer.is_sliding for layer in layers):
         raise NotImplementedError("sliding-window KV caches cannot be trimmed position by position")
@@ -20,7 +22,7 @@ def _layers(cache: DynamicCache) -> list:
 
 def crop(cache: DynamicCache, length: int) -> None:
     """Keep the first `length` positions."""
-    for layer in _layers(cache):
+    for layer in cache_layers(cache):
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]
 
@@ -32,7 +34,7 @@ def keep_path(cache: DynamicCache, prefix_len: int, path: list[int]) -> None:
         crop(cache, prefix_len + len(rows))
         return
     index = None
-    for layer in _layers(cache):
+    for layer in cache_layers(cache):
         # on the layer's own device (layers may sit on several GPUs under device_map)
         if index is None or index.device != layer.keys.device:
             index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device) + prefix_len
