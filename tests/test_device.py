@@ -119,3 +119,24 @@ def test_the_fast_dtype_is_bf16_only_where_it_is_native(monkeypatch, tmp_path, c
     assert "no native bf16" in capsys.readouterr().out  # said plainly, with the way to force it
     assert serve_dtype("bfloat16", tmp_path, "cpu") == "bfloat16"  # an explicit choice is kept
     assert serve_dtype("auto", tmp_path, "cpu") == "float32"  # unquantized: exact in float32
+
+
+AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
+INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx avx2 avx512f\n"
+
+
+def test_mkl_takes_its_avx2_path_on_amd_only_and_a_users_choice_is_kept(monkeypatch):
+    from specdeploy import device
+
+    assert device.mkl_code_path(AMD) == "AVX2"
+    assert device.mkl_code_path(INTEL) is None  # MKL's own dispatch
+    assert device.mkl_code_path(AMD.replace(" avx2", "")) is None  # no AVX2 path to take
+    assert device.mkl_code_path("") is None  # no /proc/cpuinfo (macOS, Windows)
+    monkeypatch.setattr(device, "_cpuinfo", lambda: AMD)
+    env: dict[str, str] = {}
+    device.tune_cpu_blas(env)
+    assert env == {"MKL_CBWR": "AVX2"}
+    env = {"MKL_CBWR": "COMPATIBLE"}
+    device.tune_cpu_blas(env)
+    assert env == {"MKL_CBWR": "COMPATIBLE"}
+
