@@ -57,6 +57,9 @@ DEFINITIONS = {
                           "counted, summed over the level's requests, from the server's total_accepted_draft_tokens"),
     "speedup": "speculative output tokens/s / autoregressive output tokens/s at the same concurrency",
     "break_even_concurrency": "the first level whose speed-up is below 1 (null: speculation pays at every level swept)",
+    "spec_off_above": ("the deployment setting the curve suggests: the last level before break-even (0 when speculation "
+                       "does not pay at the first level; null when it pays at every level): larger in-flight batches "
+                       "then decode plainly"),
 }
 
 
@@ -123,6 +126,16 @@ def inter_token_gaps(chunk_s: list[float], counts: list[int]) -> list[float]:
 def break_even(levels: list[int], speedups: list[float | None]) -> int | None:
     """The first concurrency whose speed-up is below 1: from there on speculation does not pay."""
     return next((level for level, s in zip(levels, speedups) if s is not None and s < 1.0), None)
+
+
+def suggested_spec_off_above(levels: list[int], speedups: list[float | None]) -> int | None:
+    """`spec_off_above` from the curve (DEFINITIONS): speculate only in batches as large as the
+    largest level swept before the break-even."""
+    point = break_even(levels, speedups)
+    if point is None:
+        return None
+    paying = [level for level in levels if level < point]
+    return max(paying) if paying else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +303,7 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str)
         "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
         "solo_reference": rows[reference].get(0),
         "break_even_concurrency": break_even(levels, [e["speedup"] for e in report_levels]),
+        "spec_off_above": suggested_spec_off_above(levels, [e["speedup"] for e in report_levels]),
         "errors": errors, "mismatches": mismatches,
         "ok": errors == 0 and (mismatches == 0 or rule != "exact"),
     }
@@ -409,6 +423,15 @@ def _start_servers(stack: ExitStack, repos: dict[str, Path], logs: Path) -> dict
             for arm, repo in repos.items()}
 
 
+def suggestion(off_above: int | None) -> str:
+    if off_above is None:
+        return "speculation paid at every level swept: keep the deployment as it is (no spec_off_above)"
+    why = ("speculation did not pay even alone: spec_off_above 0 serves plainly until the module accepts more"
+           if off_above == 0 else f"batches of more than {off_above} sequences then decode plainly")
+    return (f"suggested: spec_off_above {off_above} ({why}); package with --spec-off-above {off_above}, "
+            f'or make engine ENGINE_ARGS="--spec-off-above {off_above}"')
+
+
 def main(args: argparse.Namespace) -> int:
     _check_args(args)
     levels = parse_levels(args.concurrency)
@@ -423,6 +446,7 @@ def main(args: argparse.Namespace) -> int:
         point = report["break_even_concurrency"]
         print(f"break-even concurrency: {point if point is not None else 'none in the sweep'} "
               f"(speed-up {' '.join(f'{s:.2f}' for s in curve)} at concurrency {' '.join(map(str, levels))})")
+        print(suggestion(report["spec_off_above"]))
     print(f"ITL: {DEFINITIONS['itl_s']}")
     print(f"report: {build.path(OUT)}/loadtest.json, loadtest.png")
     if report["mismatches"]:

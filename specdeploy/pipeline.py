@@ -23,7 +23,8 @@ from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
 from specdeploy.quantize.formats import DEPLOY_DTYPES
-from specdeploy.triton.package import ADAPTIVE_HELP, SERVE_DTYPE_HELP, SERVE_DTYPES, gpu_summary
+from specdeploy.triton.package import (ADAPTIVE_HELP, CPU_MAX_BATCH_SIZE, SERVE_DTYPE_HELP, SERVE_DTYPES, add_cpu_batch_args,
+                                      gpu_summary)
 from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
 
 console = Console()
@@ -47,6 +48,8 @@ class EngineOptions:
     dtype: str = "bfloat16"  # the deployment's weights (quantize.stage.DEPLOY_DTYPES): cast explicitly, never silently
     serve_dtype: str = "native"  # the CPU runtime's compute dtype (package.SERVE_DTYPES)
     adaptive: bool = False  # package.ADAPTIVE_HELP
+    cpu_max_batch_size: int = CPU_MAX_BATCH_SIZE
+    spec_off_above: int | None = None  # the CPU deployment decodes larger batches plainly
     trtllm_version: str = DEFAULT_TRTLLM_VERSION  # the release the GPU host runs (convert: routes, LLM-API config)
     tp_size: int = 1
     pp_size: int = 1
@@ -85,7 +88,8 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
         ("build", lambda: trt_build.run(build)),
         ("package", lambda: package.run(build, spec=opts.spec, max_draft_len=chain_len,
                                         draft_model_dir=draft_dir, dtype=opts.serve_dtype, adaptive=opts.adaptive,
-                                        device=opts.device)),
+                                        device=opts.device, cpu_max_batch_size=opts.cpu_max_batch_size,
+                                        spec_off_above=opts.spec_off_above)),
     ]
     return steps
 
@@ -168,6 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "none only). `make verify` reports its effect against the original model (fidelity)")
     parser.add_argument("--serve-dtype", choices=SERVE_DTYPES, default="native", help=SERVE_DTYPE_HELP)
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
+    add_cpu_batch_args(parser)
     add_trtllm_version_arg(parser)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--pp-size", type=int, default=1)
@@ -185,6 +190,7 @@ def main(args: argparse.Namespace) -> int:
         model=args.model, device=args.device, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
         spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
         spec_preset=args.spec_preset, dtype=args.dtype, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
+        cpu_max_batch_size=args.cpu_max_batch_size, spec_off_above=args.spec_off_above,
         trtllm_version=args.trtllm_version, tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},

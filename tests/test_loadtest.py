@@ -15,7 +15,7 @@ from specdeploy import models
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.loadtest import (AR, SPEC, arrival_times, break_even, chunk_tokens, count_tokens, inter_token_gaps,
-                                 parse_levels, percentiles)
+                                 parse_levels, percentiles, suggested_spec_off_above)
 from specdeploy.manifest import BuildDir
 from specdeploy.triton import package
 from specdeploy.triton.serve import TritonServer
@@ -55,6 +55,12 @@ def test_break_even_is_the_first_level_below_one():
     assert break_even([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) == 4
     assert break_even([1, 2, 4], [1.4, 1.2, 1.01]) is None
     assert break_even([1, 2], [None, 0.8]) == 2
+
+
+def test_spec_off_above_is_the_last_paying_level_before_break_even():
+    assert suggested_spec_off_above([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) == 2
+    assert suggested_spec_off_above([1, 2, 4], [1.4, 1.2, 1.01]) is None  # pays everywhere: always speculate
+    assert suggested_spec_off_above([1, 2, 4, 8], [0.7, 0.9, 1.1, 1.2]) == 0  # not even alone
 
 
 def test_levels_parse_and_bad_levels_are_refused():

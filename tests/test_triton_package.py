@@ -17,6 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from specdeploy import models
 from specdeploy.choices import validate_choices
+from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
@@ -276,6 +277,20 @@ def test_cpu_deployment_json_is_what_load_decoder_reads(make):
     assert trt.model_transaction_policy.decoupled
     with pytest.raises(SpecDeployError, match="differs from the chain of 3"):
         package.run(build, spec="draft", max_draft_len=5)
+    assert "spec_off_above" not in config and decoder.spec_off_above is None  # always speculates by default
+    assert param(trt, "specdeploy_max_batch_size") == str(package.CPU_MAX_BATCH_SIZE)
+
+
+def test_the_cpu_batch_flags_reach_the_deployment(make, tmp_path):
+    build = make("draft", max_draft_len=3)
+    cli_main(["package", "--build-dir", str(build.root), "--spec", "draft", "--max-draft-len", "3",
+              "--cpu-max-batch-size", "3", "--spec-off-above", "2"])
+    out = build.path("triton_repo")
+    decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
+    assert decoder.spec_off_above == 2 and decoder.batcher().spec_off_above == 2
+    assert param(load_repo(out / "cpu")["tensorrt_llm"], "specdeploy_max_batch_size") == "3"
+    with pytest.raises(SystemExit):  # argparse: a clear message, exit 2
+        cli_main(["package", "--build-dir", str(tmp_path), "--spec-off-above", "-1"])
 
 
 def test_llmapi_model_yaml_is_one_writer_that_honours_the_converted_tp(make):

@@ -32,7 +32,7 @@ import re
 import shutil
 from pathlib import Path
 from string import Template
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -66,6 +66,9 @@ _UNSET_PARAM = re.compile(r'string_value:\s*"\$\{\w+\}"')
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 LLMAPI_CONTAINER_DIR = "/app/all_models/llmapi/tensorrt_llm/1"  # model.py + helpers.py (+ model.yaml, ours replaces it)
 BLS_CONTAINER_DIR = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1"
+# sequences in the CPU deployment's in-flight batch: measured in-process on 2 cores (SmolLM2-135M,
+# float32), 8 rows decode 4.2x the tokens/s of one
+CPU_MAX_BATCH_SIZE = 8
 CPU_MAX_QUEUE = 64  # requests in flight (queued + in the batch) before the CPU model answers "server busy"
 
 
@@ -325,7 +328,7 @@ def _local(path: Path, base: Path, root: Path) -> str:
 
 def deployment_json(base: Path, root: Path, model_dir: Path, dtype: str, device: str, kind: str, spec_dir: Path, *,
                     choices: list[list[int]] | None, options: dict[str, Any], draft_model_dir: Path | None,
-                    adaptive: bool = False) -> dict[str, Any]:
+                    adaptive: bool = False, spec_off_above: int | None = None) -> dict[str, Any]:
     """What runtime.deployment.load_decoder reads. Paths inside the build are relative to the
     file's folder (cpu/tensorrt_llm/1/), so the build directory can move as a whole. `device`
     stays as given ("auto" resolves where the model loads, not where it was packaged)."""
@@ -333,6 +336,7 @@ def deployment_json(base: Path, root: Path, model_dir: Path, dtype: str, device:
         "model_dir": _local(model_dir, base, root),
         "dtype": dtype,
         "device": device,
+        **({"spec_off_above": spec_off_above} if spec_off_above is not None else {}),
         "spec": {
             "kind": kind,
             "path": _local(spec_dir, base, root) if kind in TRAINED and spec_dir.exists() else None,
@@ -435,7 +439,8 @@ def run(
     adaptive: bool = False,
     device: str = "auto",
     max_batch_size: int = 64,
-    cpu_max_batch_size: int = 4,
+    cpu_max_batch_size: int = CPU_MAX_BATCH_SIZE,
+    spec_off_above: int | None = None,
     kv_cache_free_gpu_mem_fraction: float = 0.9,
     decoupled: bool = True,
 ) -> Path:
@@ -447,7 +452,9 @@ def run(
     "native" bf16 where the device computes it natively, else float32; "auto" the one in which
     served greedy parity is exact (quantize.loader.parity_dtype). `device` is where the CPU deployment
     computes (auto|cpu|cuda|cuda:N, stored as given). `adaptive`: the CPU runtime falls back to
-    plain decoding while speculation does not pay; off by default, as TensorRT-LLM speculates."""
+    plain decoding while speculation does not pay; off by default, as TensorRT-LLM speculates.
+    `cpu_max_batch_size`: sequences in the CPU deployment's in-flight batch; `spec_off_above`:
+    larger batches decode plainly (None: always speculate; `make loadtest` measures where)."""
     if spec == "eagle" and choices is not None:
         raise SpecDeployError("EAGLE deploys as a chain or TensorRT-LLM's dynamic tree, not a static eagle_choices tree "
                               "(discouraged in TensorRT-LLM 1.2, deprecated in 1.3, removed in 1.4)",
@@ -465,7 +472,8 @@ def run(
     settings = {
         "spec": spec, "choices": tree.to_list() if tree else None, "structure": structure.as_dict() if structure else None,
         "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "device": device, "adaptive": adaptive,
-        "max_batch_size": max_batch_size, "cpu_max_batch_size": cpu_max_batch_size, "decoupled": decoupled,
+        "max_batch_size": max_batch_size, "cpu_max_batch_size": cpu_max_batch_size, "spec_off_above": spec_off_above,
+        "decoupled": decoupled,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction, "templates": _templates_digest(),
     }
     consumes = tuple(s for s in _UPSTREAM if build.record(s) is not None)
@@ -498,7 +506,7 @@ def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tr
                                  options=_cpu_options(kind, structure, tree, converted,
                                                       _dflash_block(spec_dir) if kind == "dflash" else None),
                                  draft_model_dir=draft,
-                                 adaptive=settings["adaptive"])
+                                 adaptive=settings["adaptive"], spec_off_above=settings["spec_off_above"])
     write_cpu_repo(tmp / "cpu", deployment, os.path.relpath(tokenizer, final / "cpu" / "preprocessing"), limits,
                    max_batch_size=settings["cpu_max_batch_size"], tree=tree)
     gpu = {"max_batch_size": settings["max_batch_size"], "decoupled": settings["decoupled"],
@@ -549,6 +557,27 @@ def _readme(routes: dict[str, Any]) -> str:
 # CLI
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def add_cpu_batch_args(parser: argparse.ArgumentParser) -> None:
+    """The CPU deployment's in-flight batching (package and engine)."""
+    parser.add_argument("--cpu-max-batch-size", type=_at_least(1), default=CPU_MAX_BATCH_SIZE,
+                        help=f"CPU deployment: sequences decoded together in one in-flight batch (default {CPU_MAX_BATCH_SIZE})")
+    parser.add_argument("--spec-off-above", type=_at_least(0),
+                        help="CPU deployment: batches of more active sequences than this decode plainly; `make loadtest` "
+                             "measures where speculation stops paying and prints the value (default: always speculate)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdeploy.device import add_device_arg
 
@@ -560,6 +589,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=SERVE_DTYPES, default="native", help=SERVE_DTYPE_HELP)
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     parser.add_argument("--max-batch-size", type=int, default=64, help="engine/llmapi max batch size")
+    add_cpu_batch_args(parser)
     parser.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)
     parser.add_argument("--no-stream", action="store_true", help="non-decoupled GPU configs (no streaming)")
 
@@ -570,7 +600,7 @@ def main(args: argparse.Namespace) -> int:
         build, spec=args.spec, choices=args.choices, max_draft_len=args.max_draft_len,
         draft_model_dir=args.draft, dtype=args.dtype, adaptive=args.adaptive, device=args.device,
         max_batch_size=args.max_batch_size, kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
-        decoupled=not args.no_stream,
+        decoupled=not args.no_stream, cpu_max_batch_size=args.cpu_max_batch_size, spec_off_above=args.spec_off_above,
     )
     print(out)
     for line in gpu_summary(build):
