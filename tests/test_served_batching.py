@@ -227,7 +227,7 @@ def long_request_s(server, prompt_ids) -> float:
 
 def test_package_writes_the_batching_parameters(build_root):
     config = (build_root / "triton_repo" / "cpu" / "tensorrt_llm" / "config.pbtxt").read_text()
-    assert 'key: "specdeploy_max_batch_size" value: { string_value: "4" }' in config
+    assert f'key: "specdeploy_max_batch_size" value: {{ string_value: "{package.CPU_MAX_BATCH_SIZE}" }}' in config
     assert f'key: "specdeploy_max_queue" value: {{ string_value: "{package.CPU_MAX_QUEUE}" }}' in config
     assert "max_queue_delay_microseconds: 0" in config
 

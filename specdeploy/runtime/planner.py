@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,8 @@ def measure_verify_costs(
 
 def _cost_key(target: Any, max_tokens: int, hidden: bool, prefix: int) -> str:
     """What a forward's cost depends on: the model's structure (config, module types: a
-    fake-quantized checkpoint runs extra ops per Linear), dtype, device, threads."""
+    fake-quantized checkpoint runs extra ops per Linear), dtype, device, threads, MKL's code path
+    (device.tune_cpu_blas: it changes the curve's shape on an AMD CPU)."""
     device = model_device(target)
     parts = {
         "config": target.config.to_dict(),
@@ -81,6 +83,7 @@ def _cost_key(target: Any, max_tokens: int, hidden: bool, prefix: int) -> str:
         "dtype": str(next(target.parameters()).dtype),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR") if device.type == "cpu" else None,
         "torch": torch.__version__,
         "max_tokens": max_tokens, "hidden": hidden, "prefix": prefix, "version": PLAN_VERSION,
     }

@@ -166,11 +166,12 @@ class TritonPythonModel:
         max_queue = _positive_param(config, "specdeploy_max_queue", DEFAULT_MAX_QUEUE)
         folder = Path(args["model_repository"]) / args["model_version"]
         path = folder / _param(config, "specdeploy_deployment", "deployment.json")
-        self.decoder = load_decoder(path, device=instance_device(args))
+        metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
+        device = instance_device(args)
+        self.scheduler = _Scheduler(lambda: load_decoder(path, device=device), max_batch, max_queue, metrics)
+        self.decoder = self.scheduler.decoder
         self.tokenizer = self.decoder.tokenizer
         self.context = int(getattr(self.decoder.target.config, "max_position_embeddings", 0) or 1 << 30)
-        metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
-        self.scheduler = _Scheduler(lambda: self.decoder.batcher(max_batch_size=max_batch), max_queue, metrics)
         import torch
 
         pb_utils.Logger.log_info(f"specdeploy tensorrt_llm: {path}, computing on {describe(self.decoder.device)}, "
@@ -315,11 +316,16 @@ class Busy(Exception):
 class _Scheduler:
     """Owns the runtime's InflightBatcher: its thread admits queued requests between rounds,
     cancels the ones whose client went away (or that a `stop` request named), steps the batch
-    while there is work and answers each request as its sequence finishes."""
+    while there is work and answers each request as its sequence finishes.
 
-    def __init__(self, make_batcher, max_queue: int, metrics: "_Metrics") -> None:
-        self.make_batcher = make_batcher
-        self.batcher = make_batcher()
+    The thread also loads the model: all of torch's work happens on it. A thread that has run
+    parallel torch ops keeps its OpenMP team alive; with two teams (the stub's main thread's and
+    this one's) there are more OpenMP threads than cores, and libgomp then spins only briefly
+    before sleeping (GOMP_SPINCOUNT's throttled mode), so every parallel op pays a wake-up: measured
+    on 2 cores, decoding from a second thread took 1.5x as long."""
+
+    def __init__(self, load, max_batch_size: int, max_queue: int, metrics: "_Metrics") -> None:
+        self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.metrics = metrics
         self.cond = threading.Condition()
@@ -328,8 +334,24 @@ class _Scheduler:
         self.in_flight = 0  # inbox + live: what back-pressure bounds
         self.live: list[_Entry] = []  # in the batcher (waiting or active); the scheduler thread's own
         self.running = True
-        self.thread = threading.Thread(target=self._loop, name="specdeploy-scheduler", daemon=True)
+        self.decoder = self.batcher = self.load_error = None
+        loaded = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(load, loaded), name="specdeploy-scheduler", daemon=True)
         self.thread.start()
+        loaded.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    def _run(self, load, loaded: threading.Event) -> None:
+        try:
+            self.decoder = load()
+            self.batcher = self.decoder.batcher(max_batch_size=self.max_batch_size)
+        except BaseException as err:  # initialize() re-raises it: Triton reports the model as failed
+            self.load_error = err
+            return
+        finally:
+            loaded.set()
+        self._loop()
 
     # -- from execute() ------------------------------------------------------------------------
     def submit(self, entry: _Entry) -> None:
@@ -412,7 +434,7 @@ class _Scheduler:
         for entry in self.live:
             self._answer(entry, "error", error=f"internal error in the specdeploy runtime: {type(err).__name__}: {err}")
         self.live = []
-        self.batcher = self.make_batcher()
+        self.batcher = self.decoder.batcher(max_batch_size=self.max_batch_size)
 
     def _finish(self, entry: _Entry) -> None:
         try:
