@@ -558,14 +558,11 @@ def _readme(routes: dict[str, Any]) -> str:
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= `minimum`."""
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
+        if not re.fullmatch(r"\s*-?\d+\s*", text) or int(text) < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
+        return int(text)
     return parse
 
 
