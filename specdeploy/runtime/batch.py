@@ -34,6 +34,7 @@ from specdeploy.runtime.adaptive import AdaptiveDraftLength
 from specdeploy.runtime.decoding import (
     DEFAULT_DRAFT_LEN,
     DEFAULT_TREE_SIZE,
+    Hidden,
     _Output,
     _prompt_tensor,
     eos_token_ids,
@@ -52,8 +53,6 @@ from specdeploy.runtime.types import (
     model_device,
 )
 from specdeploy.runtime.verify import accept, ancestry
-
-Hidden = dict[int, torch.Tensor]
 
 
 @dataclass
