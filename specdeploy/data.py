@@ -161,3 +161,58 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
         raise SpecDeployError(f"n must be >= 0, got {n}")
     tasks = humaneval_tasks()
     return [t["prompt"] for t in tasks[: len(tasks) if n is None else n]]
+
+
+# Standard-library folders that are tests, demos or vendored tools rather than library code.
+_STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages", "dist-packages",
+                "__pycache__"}
+
+
+@lru_cache(maxsize=1)
+def _stdlib_functions() -> tuple[str, ...]:
+    """Public module-level functions of this interpreter's standard library as HumanEval-style
+    prompts (signature + docstring, the body left to write), in file and line order."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for path in sorted(root.rglob("*.py")):
+        folders = path.relative_to(root).parts[:-1]
+        if any(f in _STDLIB_SKIP or f.startswith("config-") for f in folders):
+            continue
+        try:
+            source = path.read_text("utf-8")
+            tree = ast.parse(source)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+                continue
+            if ast.get_docstring(node) is None or len(node.body) < 2:
+                continue
+            doc_end, body_end = node.body[0].end_lineno, node.end_lineno
+            if not 2 <= body_end - doc_end <= 30:
+                continue
+            prompt = "\n".join(lines[node.lineno - 1: doc_end]) + "\n"
+            if len(prompt) <= 1500:
+                prompts.append(prompt)
+    return tuple(prompts)
+
+
+def stdlib_code_prompts(n: int | None = None, seed: int = 0) -> list[str]:
+    """`n` code-completion prompts from the interpreter's own standard library (no download),
+    deterministic for a seed; never HumanEval, which evaluates."""
+    if n is not None and n < 0:
+        raise SpecDeployError(f"n must be >= 0, got {n}")
+    prompts = _stdlib_functions()
+    if n is not None and n > len(prompts):
+        raise SpecDeployError(f"asked for {n} code prompts, the standard library gives {len(prompts)}",
+                              hint=f"use at most {len(prompts)}")
+    return _sample(list(prompts), n, seed)
+
+
+def stdlib_code_digest() -> str:
+    """What identifies the code prompts: another Python release has another standard library."""
+    return hashlib.sha256("\0".join(_stdlib_functions()).encode()).hexdigest()[:12]

@@ -66,3 +66,17 @@ def test_humaneval_prompts():
     assert len(prompts) == 164
     assert prompts[0].startswith("from typing import List")
     assert data.humaneval_prompts(3) == prompts[:3]
+
+
+def test_stdlib_code_prompts_are_humaneval_style_and_never_humaneval():
+    prompts = data.stdlib_code_prompts()
+    assert len(prompts) > 300  # CPython 3.11's library holds ~840 such functions
+    assert data.stdlib_code_prompts(5) == data.stdlib_code_prompts(5)
+    assert data.stdlib_code_prompts(5, seed=1) != data.stdlib_code_prompts(5)
+    for prompt in prompts[:50]:
+        assert prompt.startswith("def ") and prompt.rstrip().endswith(("\"", "'"))  # signature + docstring
+        compile(prompt + "    pass\n", "<prompt>", "exec")  # a whole def once a body is added
+    assert not set(prompts) & set(data.humaneval_prompts())
+    assert len(data.stdlib_code_digest()) == 12
+    with pytest.raises(SpecDeployError, match="at most"):
+        data.stdlib_code_prompts(len(prompts) + 1)

@@ -116,3 +116,21 @@ def test_cli_train_then_validate_with_bound(tmp_path, capsys, tiny_llama_dir):
     assert '"overall_acceptance_length"' in capsys.readouterr().out
     assert cli.main(validate + ["--ar-lower-bound", "50"]) == 2
     assert "below --ar-lower-bound 50" in capsys.readouterr().err
+
+
+def test_code_prompts_are_completed_raw_in_their_own_shards(tiny_llama_dir):
+    from specdeploy.data import stdlib_code_digest, stdlib_code_prompts
+    from specdeploy.fileio import cache_dir
+    from specdeploy.models import load_tokenizer
+    from specdeploy.spec.distill import MAX_PROMPT_TOKENS
+
+    code = distill(tiny_llama_dir, num_prompts=0, code_prompts=4, max_new_tokens=8, layers=data_layers(2), batch_size=4,
+                   device="cpu")
+    shards = {p.name for p in (cache_dir() / "spec_data").glob("*/code-*")}
+    assert f"code-{stdlib_code_digest()}-00000-4" in shards
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    ends = [0, *((~code.valid).nonzero().squeeze(1) + 1).tolist()]
+    samples = [code.tokens[a:b].tolist() for a, b in zip(ends, ends[1:])]
+    for prompt in stdlib_code_prompts(4):  # raw text (no chat template), cut from the front like validate's code
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-MAX_PROMPT_TOKENS:]
+        assert any(s[: len(ids)] == ids and len(s) > len(ids) for s in samples)

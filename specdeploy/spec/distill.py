@@ -49,10 +49,15 @@ def cache_key(model_dir: Path, settings: dict[str, Any]) -> str:
     return f"{_model_fingerprint(model_dir)}-{hashlib.sha256(blob).hexdigest()[:12]}"  # any folder of the same model
 
 
-def _encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+def _encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, chat: bool = True) -> list[list[int]]:
+    """Chat prompts through the chat template; code prompts raw, cut from the front (as validated)."""
     out = []
     for prompt in prompts:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not chat:
+            out.append(ids[-max_prompt_tokens:])
+            continue
+        ids = ids[:max_prompt_tokens]
         text = tokenizer.decode(ids)
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(
@@ -92,13 +97,14 @@ def _generate_batch(model: Any, batch: list[list[int]], max_new_tokens: int, lay
 
 
 def generate(
-    model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int, layers: list[int], batch_size: int = 32,
-    max_prompt_tokens: int = MAX_PROMPT_TOKENS, progress: Any = None,
+    model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int, layers: list[int], batch_size: int = 16,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS, chat: bool = True, progress: Any = None,
 ) -> DistillData:
-    """Run the base model over prompts (batched, longest first to limit padding)."""
+    """Run the base model over prompts (batched, longest first to limit padding); `chat`: through
+    the chat template, else raw completions (code)."""
     eos = {t for t in [tokenizer.eos_token_id, *(_as_list(model.generation_config.eos_token_id))] if t is not None}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
-    encoded = sorted(_encode_prompts(tokenizer, prompts, max_prompt_tokens), key=len, reverse=True)
+    encoded = sorted(_encode_prompts(tokenizer, prompts, max_prompt_tokens, chat), key=len, reverse=True)
     tokens, valid, hidden = [], [], {layer: [] for layer in layers}
     started = time.time()
     for start in range(0, len(encoded), batch_size):
@@ -177,7 +183,7 @@ class Job(NamedTuple):
     """One shard to make: generated answers to prompts, or conversations read by the base."""
 
     folder: Path
-    kind: str  # "generate" | "read"
+    kind: str  # "generate" (chat) | "complete" (code) | "read"
     items: list
     seq: int  # tokens per sample at most
 
@@ -188,10 +194,13 @@ def _shard_size(default: int, tokens_per_sample: int, bytes_per_token: int) -> i
     return max(1, min(default, memory.SHARD_BYTES // max(tokens_per_sample * bytes_per_token, 1)))
 
 
-def _jobs(root: Path, num_prompts: int, conversations: int, gen_seq: int, tf_seq: int, per_token: int) -> list[Job]:
-    from specdeploy.data import sharegpt_conversations
+def _jobs(root: Path, num_prompts: int, conversations: int, code_prompts: int, gen_seq: int, tf_seq: int,
+          per_token: int) -> list[Job]:
+    from specdeploy.data import sharegpt_conversations, stdlib_code_digest, stdlib_code_prompts
 
     sources = [("shard", "generate", chat_prompts(num_prompts, "train"), SHARD, gen_seq)]
+    if code_prompts:  # named by the prompts' digest: another Python's standard library, other shards
+        sources.append((f"code-{stdlib_code_digest()}", "complete", stdlib_code_prompts(code_prompts), SHARD, gen_seq))
     if conversations:
         sources.append(("tf-shard", "read", sharegpt_conversations(conversations, "train", seed=1), TF_SHARD, tf_seq))
     jobs = []
@@ -205,10 +214,11 @@ def _jobs(root: Path, num_prompts: int, conversations: int, gen_seq: int, tf_seq
 
 def distill(
     model_dir: str | os.PathLike, *, num_prompts: int, max_new_tokens: int, layers: list[int],
-    batch_size: int = 32, dtype: str | None = None, teacher_forced_samples: int = 0, tf_max_tokens: int = TF_MAX_TOKENS,
-    device: Any = "auto", trust_remote_code: bool = False, parallel: Parallel | None = None,
+    batch_size: int = 16, dtype: str | None = None, teacher_forced_samples: int = 0, tf_max_tokens: int = TF_MAX_TOKENS,
+    code_prompts: int = 0, device: Any = "auto", trust_remote_code: bool = False, parallel: Parallel | None = None,
 ) -> ShardedData:
-    """Cached training data: the base's answers to the first `num_prompts` training prompts, plus
+    """Cached training data: the base's answers to the first `num_prompts` training prompts and
+    its completions of `code_prompts` standard-library functions (data.stdlib_code_prompts), plus
     `teacher_forced_samples` ShareGPT answers read by the base. Stored in shards that each appear
     atomically, so an interrupted generation resumes at the first missing shard and a larger
     request reuses a smaller one's shards. The memory preflight runs before the base is loaded;
@@ -223,7 +233,7 @@ def distill(
     root = cache_dir() / "spec_data" / cache_key(model_dir, settings)
     per_token = memory.hidden_bytes_per_token(memory.Arch.read(model_dir), len(layers))
     gen_seq = MAX_PROMPT_TOKENS + max_new_tokens
-    jobs = _jobs(root, num_prompts, teacher_forced_samples, gen_seq, tf_max_tokens, per_token)
+    jobs = _jobs(root, num_prompts, teacher_forced_samples, code_prompts, gen_seq, tf_max_tokens, per_token)
     mine = parallel.mine([job for job in jobs if not (job.folder / INFO_FILE).is_file()])
     if mine:
         memory.check_disk(root, sum(len(job.items) * job.seq for job in mine) * per_token)
@@ -248,9 +258,9 @@ def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device,
     tokenizer = load_tokenizer(model_dir)
     bar = tqdm(total=sum(len(job.items) for job in jobs), desc="self-distillation", unit="sample")
     for job in jobs:
-        if job.kind == "generate":
+        if job.kind in ("generate", "complete"):
             data = generate(model, tokenizer, job.items, max_new_tokens=max_new_tokens, layers=layers,
-                            batch_size=batch_size, progress=bar)
+                            batch_size=batch_size, chat=job.kind == "generate", progress=bar)
         else:
             data = teacher_forced(model, tokenizer, job.items, layers=layers, max_tokens=tf_max_tokens, progress=bar)
         _publish(data, job.folder)

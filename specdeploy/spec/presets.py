@@ -23,10 +23,14 @@ GPU_MIN_PARAMS = 1_000_000_000
 # CPU tier. The base reads a ShareGPT answer (teacher-forced) ~12x faster than it writes its own
 # (batched generation); both are distilled from the base's own logits, so the presets take most
 # tokens read and a share generated. Measured with SmolLM2-135M on an idle 2-core machine:
-# ~3,400 tokens/s read, ~290 tokens/s generated, ~1.55 EAGLE steps/s (4 x 256 tokens).
-# quick (what `make engine` uses): ~2 min of data (cached, shared by both kinds and every build
-# of the same base) and ~8 min of EAGLE training (750 steps; 745 fitted the former 480 s budget).
-_CPU_QUICK_DATA = dict(num_prompts=64, teacher_forced=768)
+# ~3,400 tokens/s read, ~290 tokens/s generated, ~1.55 EAGLE steps/s (4 x 256 tokens) on a CPU
+# with native bf16; on an AVX2-only AMD EPYC in float32 (session 7): ~570 tokens/s read (256
+# answers in 135 s), 64 answers generated in ~165-190 s in batches of 16, 1.5-2.2 s per EAGLE step.
+# quick (what `make engine` uses): the data is cached, shared by both kinds and every build of the
+# same base; 64 code completions came with the batch-16 speed-up at no extra data time. Swapping
+# 512 of the reads for 128 more answers of the base's own (equal data time, 300 steps) measured
+# held-out chain-3 acceptance 1.38 vs 1.41 chat and 1.35 vs 1.30 code: the reads stay.
+_CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
 # measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
 _CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048)
