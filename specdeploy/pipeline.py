@@ -23,7 +23,7 @@ from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
 from specdeploy.quantize.formats import DEPLOY_DTYPES
-from specdeploy.triton.package import (ADAPTIVE_HELP, CPU_MAX_BATCH_SIZE, SERVE_DTYPE_HELP, SERVE_DTYPES, add_cpu_batch_args,
+from specdeploy.triton.package import (ADAPTIVE_HELP, CPU_MAX_BATCH_SIZE, SERVE_DTYPE_HELP, SERVE_DTYPES, add_cpu_deployment_args,
                                       gpu_summary)
 from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
 
@@ -50,6 +50,7 @@ class EngineOptions:
     adaptive: bool = False  # package.ADAPTIVE_HELP
     cpu_max_batch_size: int = CPU_MAX_BATCH_SIZE
     spec_off_above: int | None = None  # the CPU deployment decodes larger batches plainly
+    cpu_draft_shape: str = "auto"  # the CPU deployment drafts the shape measured fastest here (package.plan_cpu_shape)
     trtllm_version: str = DEFAULT_TRTLLM_VERSION  # the release the GPU host runs (convert: routes, LLM-API config)
     tp_size: int = 1
     pp_size: int = 1
@@ -89,7 +90,7 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
         ("package", lambda: package.run(build, spec=opts.spec, max_draft_len=chain_len,
                                         draft_model_dir=draft_dir, dtype=opts.serve_dtype, adaptive=opts.adaptive,
                                         device=opts.device, cpu_max_batch_size=opts.cpu_max_batch_size,
-                                        spec_off_above=opts.spec_off_above)),
+                                        spec_off_above=opts.spec_off_above, cpu_draft_shape=opts.cpu_draft_shape)),
     ]
     return steps
 
@@ -172,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "none only). `make verify` reports its effect against the original model (fidelity)")
     parser.add_argument("--serve-dtype", choices=SERVE_DTYPES, default="native", help=SERVE_DTYPE_HELP)
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
-    add_cpu_batch_args(parser)
+    add_cpu_deployment_args(parser, draft_shape="auto")
     add_trtllm_version_arg(parser)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--pp-size", type=int, default=1)
@@ -190,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
         model=args.model, device=args.device, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
         spec=args.spec, quant=args.quant, draft=args.draft, kv_cache=args.kv_cache,
         spec_preset=args.spec_preset, dtype=args.dtype, serve_dtype=args.serve_dtype, adaptive=args.adaptive,
-        cpu_max_batch_size=args.cpu_max_batch_size, spec_off_above=args.spec_off_above,
+        cpu_max_batch_size=args.cpu_max_batch_size, spec_off_above=args.spec_off_above, cpu_draft_shape=args.cpu_draft_shape,
         trtllm_version=args.trtllm_version, tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},

@@ -130,7 +130,7 @@ def test_engine_pipeline_with_dflash(tmp_path, tiny_llama_dir):
     from specdeploy.runtime.deployment import load_decoder
 
     opts = EngineOptions(model=str(tiny_llama_dir), spec="dflash", quant="none", trtllm_version="1.3.0", device="cpu",
-                         serve_dtype="float32", calib_size=8, quant_report=False, spec_overrides={"steps": 3, "num_prompts": 8, "teacher_forced": 0,
+                         serve_dtype="float32", cpu_draft_shape="fixed", calib_size=8, quant_report=False, spec_overrides={"steps": 3, "num_prompts": 8, "teacher_forced": 0,
                                                                            "max_new_tokens": 24, "window": 16})
     build = BuildDir(tmp_path / "tiny-dflash-none")
     rows = run_pipeline(build, opts)

@@ -323,6 +323,27 @@ def test_eagle_drafts_the_same_chain_on_both_sides_and_never_a_static_tree(make)
         package.run(build, spec="eagle", choices=TREE)
 
 
+def test_auto_draft_shape_serves_the_planners_fastest_shape_on_the_cpu_only(make, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "cache"))  # the verify-cost curve it measures
+    build = make("eagle")
+    out = package.run(build, spec="eagle", cpu_draft_shape="auto")
+    planned = json.loads((out / "cpu" / package.PLAN_FILE).read_text())
+    estimates = {e["shape"]: e["tokens_per_s"] for e in planned["plan"]["estimates"]}
+    assert {"chain 1", "chain 4", "tree 10"} <= set(estimates) and "chain 5" not in estimates  # up to convert's 4
+    fastest = max(estimates, key=estimates.get)
+    mode, size = fastest.split()
+    spec = deployment(out)["spec"]
+    assert spec["max_draft_len"] == int(size) and spec["mode"] == {"chain": "chain", "tree": "dynamic"}[mode]
+    assert planned["options"].items() <= spec.items()
+    decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
+    assert decoder.draft_len == int(size) and decoder.proposer.kind == mode
+    assert model_yaml(out)["speculative_config"]["max_draft_len"] == 4  # the GPU keeps convert's chain
+    fixed = package.run(build, spec="eagle")  # another setting: packaged again, convert's chain
+    assert deployment(fixed)["spec"]["max_draft_len"] == 4 and not (fixed / "cpu" / package.PLAN_FILE).exists()
+    with pytest.raises(SpecDeployError, match="unknown draft shape"):
+        package.run(build, spec="eagle", cpu_draft_shape="best")
+
+
 def test_dynamic_tree_on_a_release_that_has_it_both_sides(make):
     build = make("eagle", trtllm_version="1.3.0", eagle_tree="dynamic", max_draft_len=3, tree_topk=2, tree_total=5)
     out = package.run(build, spec="eagle")

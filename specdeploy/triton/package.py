@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from string import Template
 from typing import Any, Callable
@@ -50,6 +51,9 @@ STAGE = "package"
 OUT = "triton_repo"
 TRAINED = ("medusa", "eagle", "dflash")  # kinds whose deployment reads the spec stage's spec/ folder
 ROUTES_FILE = "gpu_routes.json"
+DEPLOYMENT_FILE = "deployment.json"  # cpu/tensorrt_llm/1/: what the CPU runtime loads
+PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
+CPU_DRAFT_SHAPES = ("fixed", "auto")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
 # the CPU runtime's compute dtype: native (bf16 where the device has it, else float32), or a dtype,
 # or auto (the one where served greedy parity is exact: quantize.loader.parity_dtype)
@@ -189,7 +193,7 @@ def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, li
         "max_queue_size": 0,
         "triton_backend": "python",
         "instance_kind": instance_kind(deployment["device"]),
-        "specdeploy_deployment": "deployment.json",
+        "specdeploy_deployment": DEPLOYMENT_FILE,
         "batching_strategy": "specdeploy_cpu",
         "engine_dir": "",
         **({"decoding_mode": "medusa", "medusa_choices": tree.to_pbtxt()} if kind == "medusa" and tree else {}),
@@ -201,7 +205,7 @@ def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, li
                     ignore=shutil.ignore_patterns("__pycache__"))
     _add_parameters(out / "tensorrt_llm" / "config.pbtxt",
                     {"specdeploy_max_batch_size": max_batch_size, "specdeploy_max_queue": max_queue})
-    atomic_write_json(out / "tensorrt_llm" / "1" / "deployment.json", deployment)
+    atomic_write_json(out / "tensorrt_llm" / "1" / DEPLOYMENT_FILE, deployment)
 
 
 def _add_parameters(config: Path, parameters: dict[str, Any]) -> None:
@@ -348,6 +352,28 @@ def deployment_json(base: Path, root: Path, model_dir: Path, dtype: str, device:
     }
 
 
+def plan_cpu_shape(path: Path, structure: DraftStructure | None) -> dict[str, Any] | None:
+    """The draft shape the planner measures fastest here for the CPU deployment (None when its
+    proposer has a single fixed tree): {"options": deployment spec options, "plan": the measurement}.
+    When plain decoding measures faster than every shape, the fastest shape is still served (the
+    build asked for speculation) and the line printed says so."""
+    from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
+    from specdeploy.runtime.deployment import load_decoder
+    from specdeploy.runtime.planner import calibration_prompts, choose_draft_shape, describe
+
+    decoder = load_decoder(path)
+    max_len = structure.max_draft_len if structure is not None and structure.mode == "chain" else DEFAULT_DRAFT_LEN
+    if decoder.proposer is None or not decoder.proposer.draft_shapes(max_len):
+        return None
+    plan = choose_draft_shape(decoder.target, decoder.proposer, calibration_prompts(decoder.tokenizer), max_len=max_len)
+    shape = plan.shape or max(plan.estimates, key=lambda e: e.tokens_per_s).shape
+    print(f"specdeploy package: CPU deployment {describe(plan)}", file=sys.stderr)
+    if plan.shape is None:
+        print(f"specdeploy package: serving {shape} anyway (the build asked for speculation); "
+              "`make loadtest` shows where it pays", file=sys.stderr)
+    return {"options": decoder.proposer.shape_options(shape), "plan": plan.as_dict()}
+
+
 def _dflash_block(spec_dir: Path) -> int | None:
     """The block size the spec stage trained DFlash with (spec/spec_config.json)."""
     config = spec_dir / "spec_config.json"
@@ -441,6 +467,7 @@ def run(
     max_batch_size: int = 64,
     cpu_max_batch_size: int = CPU_MAX_BATCH_SIZE,
     spec_off_above: int | None = None,
+    cpu_draft_shape: str = "fixed",
     kv_cache_free_gpu_mem_fraction: float = 0.9,
     decoupled: bool = True,
 ) -> Path:
@@ -454,7 +481,11 @@ def run(
     computes (auto|cpu|cuda|cuda:N, stored as given). `adaptive`: the CPU runtime falls back to
     plain decoding while speculation does not pay; off by default, as TensorRT-LLM speculates.
     `cpu_max_batch_size`: sequences in the CPU deployment's in-flight batch; `spec_off_above`:
-    larger batches decode plainly (None: always speculate; `make loadtest` measures where)."""
+    larger batches decode plainly (None: always speculate; `make loadtest` measures where);
+    `cpu_draft_shape` "auto": the CPU deployment drafts the shape the planner measures fastest on
+    this machine (runtime.planner; the GPU routes keep convert's), "fixed": convert's."""
+    if cpu_draft_shape not in CPU_DRAFT_SHAPES:
+        raise SpecDeployError(f"unknown draft shape choice '{cpu_draft_shape}'", hint=f"use {' or '.join(CPU_DRAFT_SHAPES)}")
     if spec == "eagle" and choices is not None:
         raise SpecDeployError("EAGLE deploys as a chain or TensorRT-LLM's dynamic tree, not a static eagle_choices tree "
                               "(discouraged in TensorRT-LLM 1.2, deprecated in 1.3, removed in 1.4)",
@@ -473,7 +504,7 @@ def run(
         "spec": spec, "choices": tree.to_list() if tree else None, "structure": structure.as_dict() if structure else None,
         "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "device": device, "adaptive": adaptive,
         "max_batch_size": max_batch_size, "cpu_max_batch_size": cpu_max_batch_size, "spec_off_above": spec_off_above,
-        "decoupled": decoupled,
+        "cpu_draft_shape": cpu_draft_shape, "decoupled": decoupled,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction, "templates": _templates_digest(),
     }
     consumes = tuple(s for s in _UPSTREAM if build.record(s) is not None)
@@ -509,6 +540,14 @@ def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tr
                                  adaptive=settings["adaptive"], spec_off_above=settings["spec_off_above"])
     write_cpu_repo(tmp / "cpu", deployment, os.path.relpath(tokenizer, final / "cpu" / "preprocessing"), limits,
                    max_batch_size=settings["cpu_max_batch_size"], tree=tree)
+    if settings["cpu_draft_shape"] == "auto" and kind != "none":
+        # tmp is final's sibling (BuildDir.stage): the file's relative paths resolve alike from it
+        written = tmp / "cpu" / "tensorrt_llm" / "1" / DEPLOYMENT_FILE
+        planned = plan_cpu_shape(written, structure)
+        if planned is not None:
+            deployment["spec"].update(planned["options"])
+            atomic_write_json(written, deployment)
+            atomic_write_json(tmp / "cpu" / PLAN_FILE, planned)
     gpu = {"max_batch_size": settings["max_batch_size"], "decoupled": settings["decoupled"],
            "kv_cache_free_gpu_mem_fraction": settings["kv_cache_free_gpu_mem_fraction"]}
     if converted and converted.get("engine_flow"):
@@ -566,8 +605,11 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def add_cpu_batch_args(parser: argparse.ArgumentParser) -> None:
-    """The CPU deployment's in-flight batching (package and engine)."""
+def add_cpu_deployment_args(parser: argparse.ArgumentParser, draft_shape: str) -> None:
+    """The CPU deployment's in-flight batching and draft shape (package and engine)."""
+    parser.add_argument("--cpu-draft-shape", choices=CPU_DRAFT_SHAPES, default=draft_shape,
+                        help="CPU deployment: auto drafts the chain or tree the planner measures fastest on this machine "
+                             f"(calibrated on held-out prompts; ~1 min), fixed the convert stage's (default {draft_shape})")
     parser.add_argument("--cpu-max-batch-size", type=_at_least(1), default=CPU_MAX_BATCH_SIZE,
                         help=f"CPU deployment: sequences decoded together in one in-flight batch (default {CPU_MAX_BATCH_SIZE})")
     parser.add_argument("--spec-off-above", type=_at_least(0),
@@ -586,7 +628,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=SERVE_DTYPES, default="native", help=SERVE_DTYPE_HELP)
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
     parser.add_argument("--max-batch-size", type=int, default=64, help="engine/llmapi max batch size")
-    add_cpu_batch_args(parser)
+    add_cpu_deployment_args(parser, draft_shape="fixed")
     parser.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)
     parser.add_argument("--no-stream", action="store_true", help="non-decoupled GPU configs (no streaming)")
 
@@ -598,6 +640,7 @@ def main(args: argparse.Namespace) -> int:
         draft_model_dir=args.draft, dtype=args.dtype, adaptive=args.adaptive, device=args.device,
         max_batch_size=args.max_batch_size, kv_cache_free_gpu_mem_fraction=args.kv_cache_free_gpu_mem_fraction,
         decoupled=not args.no_stream, cpu_max_batch_size=args.cpu_max_batch_size, spec_off_above=args.spec_off_above,
+        cpu_draft_shape=args.cpu_draft_shape,
     )
     print(out)
     for line in gpu_summary(build):
