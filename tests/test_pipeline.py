@@ -20,7 +20,8 @@ from specdeploy.manifest import BuildDir
 from tests.tiny import make_llama
 
 STAGES = ["resolve", "quantize", "convert", "build", "package"]
-ENGINE = [sys.executable, "-m", "specdeploy", "engine", "--calib-size", "8", "--no-quant-report"]
+# the deployments these tests check draft convert's shape (the planner's choice is tested in test_triton_package)
+ENGINE = [sys.executable, "-m", "specdeploy", "engine", "--calib-size", "8", "--no-quant-report", "--cpu-draft-shape", "fixed"]
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +158,16 @@ def test_next_commands_name_the_build_that_was_made(tmp_path):
     elsewhere = next_commands(BuildDir(tmp_path / "smollm2-135m-eagle-fp8"), opts)
     assert f"make serve MODEL=smollm2-135m SPEC=eagle QUANT=fp8 BUILD={tmp_path} " in elsewhere
     assert next_commands(BuildDir(tmp_path / "mine"), opts).startswith(f"specdeploy serve --build-dir {tmp_path / 'mine'}")
+
+
+def test_engine_plans_the_cpu_draft_shape_by_default_and_package_alone_keeps_converts():
+    import argparse
+
+    from specdeploy import pipeline
+    from specdeploy.triton import package
+
+    for module, default in ((pipeline, "auto"), (package, "fixed")):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        assert parser.parse_args([]).cpu_draft_shape == default
+    assert pipeline.EngineOptions().cpu_draft_shape == "auto"
