@@ -49,25 +49,6 @@ def cache_key(model_dir: Path, settings: dict[str, Any]) -> str:
     return f"{_model_fingerprint(model_dir)}-{hashlib.sha256(blob).hexdigest()[:12]}"  # any folder of the same model
 
 
-def _encode_prompts(tokenizer: Any, prompts: list[str], max_prompt_tokens: int, chat: bool = True) -> list[list[int]]:
-    """Chat prompts through the chat template; code prompts raw, cut from the front (as validated)."""
-    out = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if not chat:
-            out.append(ids[-max_prompt_tokens:])
-            continue
-        ids = ids[:max_prompt_tokens]
-        text = tokenizer.decode(ids)
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
-        out.append(list(ids))
-    return out
-
-
 @torch.no_grad()
 def _generate_batch(model: Any, batch: list[list[int]], max_new_tokens: int, layers: list[int], eos: set[int], pad: int):
     """Greedy answers for a left-padded batch; yields (tokens, {layer: (n-1, H) bf16 on the CPU}) per sample."""
@@ -104,7 +85,10 @@ def generate(
     the chat template, else raw completions (code)."""
     eos = {t for t in [tokenizer.eos_token_id, *(_as_list(model.generation_config.eos_token_id))] if t is not None}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
-    encoded = sorted(_encode_prompts(tokenizer, prompts, max_prompt_tokens, chat), key=len, reverse=True)
+    from specdeploy.spec.validate import encode  # the one encoder: answers are generated from what validate feeds
+
+    category = "chat" if chat else "code"
+    encoded = sorted((encode(tokenizer, p, category, max_prompt_tokens) for p in prompts), key=len, reverse=True)
     tokens, valid, hidden = [], [], {layer: [] for layer in layers}
     started = time.time()
     for start in range(0, len(encoded), batch_size):
