@@ -41,6 +41,7 @@ from specdeploy.client import Request, TritonLLMClient
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.runtime.types import acceptance_length
 from specdeploy.verify import DEPLOYMENT, autoregressive_twin, parity_rule, served_forwards
 
@@ -121,21 +122,6 @@ def inter_token_gaps(chunk_s: list[float], counts: list[int]) -> list[float]:
             gaps += [waited / pending] * pending
             waited, pending = 0.0, 0
     return gaps
-
-
-def break_even(levels: list[int], speedups: list[float | None]) -> int | None:
-    """The first concurrency whose speed-up is below 1: from there on speculation does not pay."""
-    return next((level for level, s in zip(levels, speedups) if s is not None and s < 1.0), None)
-
-
-def suggested_spec_off_above(levels: list[int], speedups: list[float | None]) -> int | None:
-    """`spec_off_above` from the curve (DEFINITIONS): speculate only in batches as large as the
-    largest level swept before the break-even."""
-    point = break_even(levels, speedups)
-    if point is None:
-        return None
-    paying = [level for level in levels if level < point]
-    return max(paying) if paying else 0
 
 
 # ---------------------------------------------------------------------------------------------

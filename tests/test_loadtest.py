@@ -14,9 +14,10 @@ from transformers import AutoTokenizer
 from specdeploy import models
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
-from specdeploy.loadtest import (AR, SPEC, arrival_times, break_even, chunk_tokens, count_tokens, inter_token_gaps,
-                                 parse_levels, percentiles, suggested_spec_off_above)
+from specdeploy.loadtest import (AR, SPEC, arrival_times, chunk_tokens, count_tokens, inter_token_gaps,
+                                 parse_levels, percentiles)
 from specdeploy.manifest import BuildDir
+from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.triton import package
 from specdeploy.triton.serve import TritonServer
 from tests.tiny import make_llama
@@ -61,6 +62,7 @@ def test_spec_off_above_is_the_last_paying_level_before_break_even():
     assert suggested_spec_off_above([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) == 2
     assert suggested_spec_off_above([1, 2, 4], [1.4, 1.2, 1.01]) is None  # pays everywhere: always speculate
     assert suggested_spec_off_above([1, 2, 4, 8], [0.7, 0.9, 1.1, 1.2]) == 0  # not even alone
+    assert suggested_spec_off_above([1, 2, 3, 4], [1.3, 1.04, 1.09, 0.8], pays=1.05) == 1  # a gain within the margin stops it
 
 
 def test_levels_parse_and_bad_levels_are_refused():

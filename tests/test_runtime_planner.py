@@ -1,9 +1,9 @@
-"""The draft-shape planner: its arithmetic on known inputs, calibration on the tiny Llama, the
-cached verify-cost curve, and `--draft-shape auto` on generate and bench."""
+"""The planner: its arithmetic on known inputs, calibration on the tiny Llama, the in-flight
+load curve, and `--draft-shape auto` on generate and bench."""
 
 from __future__ import annotations
 
-import json
+import time
 
 import pytest
 
@@ -11,10 +11,12 @@ from specdeploy.bench import Bench, run_bench
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime import planner
+from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.decoding import generate
-from specdeploy.runtime.planner import ShapeStats, calibrate, chain_reach, choose_draft_shape, plan, verify_costs
+from specdeploy.runtime.planner import (Calibration, ShapeStats, calibrate, chain_reach, choose_draft_shape, measure_load_curve,
+                                        plan, suggested_spec_off_above, tree_acceptance)
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.types import DraftShape, SamplingParams
+from specdeploy.runtime.types import DraftShape, Proposer, SamplingParams
 from tests.test_runtime_helpers import PROMPTS, draft, one_thread, target, tokenizer  # noqa: F401
 
 
@@ -22,11 +24,11 @@ def chain(k: int) -> DraftShape:
     return DraftShape("chain", k)
 
 
-def stats_for(reach: list[float], draft_s: dict[int, float], rounds: int = 100) -> dict[DraftShape, ShapeStats]:
+def stats_for(reach: list[float], round_s: dict[int, float], rounds: int = 100) -> dict[DraftShape, ShapeStats]:
     """Chain statistics whose pooled reach is exactly `reach` (every chain length drafted fully)."""
     out = {}
-    for k, seconds in draft_s.items():
-        s = ShapeStats(rounds=rounds, draft_times=[seconds])
+    for k, seconds in round_s.items():
+        s = ShapeStats(rounds=rounds, round_times=[seconds])
         s.drafted = [rounds] * k
         s.reached = [round(rounds * r) for r in reach[:k]]
         out[chain(k)] = s
@@ -34,42 +36,50 @@ def stats_for(reach: list[float], draft_s: dict[int, float], rounds: int = 100) 
 
 
 def test_plan_picks_the_fastest_expected_chain():
-    # verify: 1 token 10 ms, growing 1 ms per extra token; drafting 2 ms per token
-    verify = [0.010 + 0.001 * i for i in range(9)]
-    stats = stats_for([0.9, 0.85, 0.7, 0.2, 0.1], {k: 0.002 * k for k in range(1, 6)})
+    # a plain step 10 ms; a round of chain k: verify 10 ms + 1 ms per drafted token, drafting 2 ms per token
+    stats = stats_for([0.9, 0.85, 0.7, 0.2, 0.1], {k: 0.010 + 0.003 * k for k in range(1, 6)})
     assert chain_reach(stats) == pytest.approx([0.9, 0.85, 0.7, 0.2, 0.1])
-    chosen = plan(stats, verify)
+    chosen = plan(Calibration(stats, [0.011, 0.010, 0.009]))  # median 10 ms
     by_shape = {e.shape: e for e in chosen.estimates}
     assert by_shape[chain(3)].tokens_per_round == pytest.approx(1 + 0.9 + 0.85 + 0.7)
-    assert by_shape[chain(3)].tokens_per_s == pytest.approx(3.45 / (0.006 + 0.013))
+    assert by_shape[chain(3)].tokens_per_s == pytest.approx(3.45 / 0.019)
     best = max(chosen.estimates, key=lambda e: e.tokens_per_s)
     assert chosen.shape == best.shape == chain(3)  # 182 tok/s: chain 2 gives 172, chain 4 166
     assert chosen.expected_speedup == pytest.approx(best.tokens_per_s * 0.010)
 
 
 def test_plan_prefers_plain_decoding_when_nothing_pays():
-    verify = [0.010 + 0.005 * i for i in range(5)]  # verify grows fast (fp32 on this CPU)
-    chosen = plan(stats_for([0.2, 0.05, 0.01], {1: 0.004, 2: 0.008, 3: 0.012}), verify)
+    # verify grows 5 ms per token (fp32 on this CPU), drafting 4 ms per token
+    chosen = plan(Calibration(stats_for([0.2, 0.05, 0.01], {1: 0.019, 2: 0.028, 3: 0.037}), [0.010]))
     assert chosen.shape is None and chosen.expected_speedup == 1.0
     assert all(e.tokens_per_s < 100 for e in chosen.estimates)
 
 
 def test_trees_are_weighed_by_their_own_rounds():
-    verify = [0.010] * 12  # a flat verify curve: a bigger tree costs nothing more to check
-    stats = stats_for([0.5], {1: 0.003})
-    tree = ShapeStats(rounds=10, accepted=15, draft_times=[0.004, 0.003, 0.009])  # median 4 ms
+    stats = stats_for([0.5], {1: 0.013})
+    tree = ShapeStats(rounds=10, accepted=15, round_times=[0.014, 0.013, 0.019])  # median 14 ms
     stats[DraftShape("tree", 10)] = tree
-    chosen = plan(stats, verify)
+    chosen = plan(Calibration(stats, [0.010]))
     assert chosen.shape == DraftShape("tree", 10)  # 2.5 tokens / 14 ms beats 1.5 / 13 ms
+
+
+def test_tree_acceptance_never_falls_with_size():
+    measured = {4: (10, 12), 6: (10, 20), 8: (10, 15), 10: (10, 13)}  # rounds, accepted: noise after 6 nodes
+    stats = {DraftShape("tree", n): ShapeStats(rounds=r, accepted=a, round_times=[0.01]) for n, (r, a) in measured.items()}
+    stats[chain(1)] = ShapeStats(rounds=10, accepted=9, round_times=[0.01])  # chains are pooled by reach instead
+    pooled = tree_acceptance(stats)
+    assert pooled == {DraftShape("tree", 4): 1.2, **{DraftShape("tree", n): pytest.approx(48 / 30) for n in (6, 8, 10)}}
 
 
 def test_calibration_of_a_perfect_draft_reaches_every_position(target):
     proposer = build_proposer("draft", target, draft_model=target)  # the target drafting itself
     shapes = proposer.draft_shapes(4)
     assert shapes == [chain(1), chain(2), chain(3), chain(4)]
-    stats = calibrate(target, proposer, [[5, 17, 33, 90], [100, 101, 102, 7]], shapes, max_new_tokens=40, min_rounds=3)
+    calibration = calibrate(target, proposer, [[5, 17, 33, 90], [100, 101, 102, 7]], shapes, max_new_tokens=40, min_rounds=3)
+    stats = calibration.shapes
     assert set(stats) == set(shapes)
-    assert all(len(s.draft_times) >= 3 and 0 < s.draft_s < 1 for s in stats.values())  # the prompts ran again
+    assert all(len(s.round_times) >= 3 and 0 < s.round_s < 1 for s in stats.values())  # the prompts ran again
+    assert len(calibration.step_times) >= 2 and 0 < calibration.step_s < 1  # each prompt decoded plainly too
     assert chain_reach(stats) == [1.0, 1.0, 1.0, 1.0]  # rounds the answer's end cut count only what they drafted
 
 
@@ -77,7 +87,7 @@ def test_calibration_counts_what_was_accepted(target, draft):
     """Pooled reach from the rotation equals what single-shape runs of each chain length accept."""
     prompts = [[5, 17, 33, 90], [3, 60, 61, 62, 63]]
     proposer = build_proposer("draft", target, draft_model=draft)
-    stats = calibrate(target, proposer, prompts, [chain(3)], max_new_tokens=30, min_rounds=0)
+    stats = calibrate(target, proposer, prompts, [chain(3)], max_new_tokens=30, min_rounds=0).shapes
     accepted = proposer_rounds = 0
     for ids in prompts:
         metrics = generate(target, ids, SamplingParams(max_new_tokens=30), proposer, draft_len=3, adaptive=False).metrics
@@ -85,7 +95,8 @@ def test_calibration_counts_what_was_accepted(target, draft):
     s = stats[chain(3)]
     assert s.accepted == accepted and sum(s.reached) == accepted
     assert s.rounds <= proposer_rounds and s.drafted[0] == s.rounds
-    assert len(s.draft_times) <= s.rounds - 1  # each request's first round (the prompt's ingest) is not timed
+    # neither a request's first round (the prompt's ingest) nor its last (no next draft ends it) is timed
+    assert len(s.round_times) <= s.rounds - len(prompts)
 
 
 def test_eagle_shapes_and_options(target):
@@ -100,19 +111,17 @@ def test_eagle_shapes_and_options(target):
     assert proposer.shape_options(DraftShape("tree", 8)) == {"mode": "dynamic", "budget": 8, "max_draft_len": 8}
 
 
-def test_choose_sets_the_shape_and_keeps_greedy_exact(target, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
+def test_choose_sets_the_shape_and_keeps_greedy_exact(target, monkeypatch):
     proposer = build_proposer("eagle", target, mode="chain", chain_len=2)
     seen = []
 
     def measured(target, proposer, prompts, shapes, max_new_tokens):  # noqa: ARG001
         seen.extend(shapes)  # calibration asks for every shape; here its result is given
-        stats = stats_for([0.5], {1: 0.001})
-        stats[DraftShape("tree", 6)] = ShapeStats(rounds=10, accepted=30, draft_times=[0.002])
-        return stats
+        stats = stats_for([0.5], {1: 0.011})
+        stats[DraftShape("tree", 6)] = ShapeStats(rounds=10, accepted=30, round_times=[0.012])
+        return Calibration(stats, [0.010])
 
     monkeypatch.setattr(planner, "calibrate", measured)
-    monkeypatch.setattr(planner, "measure_verify_costs", lambda *a, **k: [0.01] * 20)
     chosen = choose_draft_shape(target, proposer, [[5, 17, 33, 90]], max_len=6)
     assert seen == proposer.draft_shapes(6)
     assert chosen.shape == DraftShape("tree", 6)
@@ -125,22 +134,6 @@ def test_fixed_trees_cannot_be_planned(target):
     proposer = build_proposer("medusa", target)
     with pytest.raises(SpecDeployError, match="one fixed tree"):
         choose_draft_shape(target, proposer, [[1, 2, 3]])
-
-
-def test_verify_costs_are_measured_once_and_cached(target, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
-    first = verify_costs(target, 3, prefix=16)
-    assert len(first) == 3 and all(s > 0 for s in first)
-    files = list((tmp_path / "verify_costs").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["seconds"] == first
-
-    def never(*args, **kwargs):
-        raise AssertionError("measured again")
-
-    monkeypatch.setattr(planner, "measure_verify_costs", never)
-    assert verify_costs(target, 3, prefix=16) == first
-    with pytest.raises(AssertionError, match="measured again"):
-        verify_costs(target, 4, prefix=16)  # another curve: another key
 
 
 def test_bench_rows_take_planned_shapes(target, draft, tokenizer, tmp_path, monkeypatch):
@@ -162,3 +155,44 @@ def test_generate_command_draft_shape_auto(tiny_llama_dir, tmp_path, monkeypatch
     assert cli_main(argv) == 0
     err = capsys.readouterr().err
     assert "draft shape:" in err and "chain 3:" in err and "over plain decoding" in err
+
+
+class _SlowDraft(Proposer):
+    """A proposer that takes `seconds` per draft: speculation cannot pay."""
+
+    def __init__(self, inner: Proposer, seconds: float) -> None:
+        self.inner, self.seconds, self.kind, self.hidden_layers = inner, seconds, inner.kind, inner.hidden_layers
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def propose(self, state, max_tokens):
+        time.sleep(self.seconds)
+        return self.inner.propose(state, max_tokens)
+
+    def update(self, num_accepted, num_proposed):
+        self.inner.update(num_accepted, num_proposed)
+
+    def fork(self):
+        return _SlowDraft(self.inner.fork(), self.seconds)
+
+
+def batcher_of(target, proposer, draft_len):
+    return lambda size: InflightBatcher(target, proposer.fork, draft_len=draft_len, max_batch_size=size, adaptive=False)
+
+
+def test_load_curve_interleaves_speculative_and_plain_rounds(target):
+    perfect = build_proposer("draft", target, draft_model=target)  # every draft accepted
+    points = measure_load_curve(batcher_of(target, perfect, 3), [[5, 17, 33, 90], [100, 101, 102, 7]], [1, 2, 3],
+                                rounds=4, max_draft=3)
+    assert [p.batch for p in points] == [1, 2, 3]
+    for p in points:  # 4 rounds of each kind: a plain round emits 1 token a row, a speculative one 3 + 1
+        assert (p.plain_tokens, p.spec_tokens) == (4 * p.batch, 16 * p.batch)
+        assert p.spec_s > 0 and p.plain_s > 0
+
+
+def test_load_curve_of_a_draft_too_slow_to_pay_turns_speculation_off(target):
+    slow = _SlowDraft(build_proposer("draft", target, draft_model=target), 0.05)
+    points = measure_load_curve(batcher_of(target, slow, 2), [[5, 17, 33, 90]], [1, 2], rounds=2, max_draft=2)
+    assert all(p.speedup < 1 for p in points)
+    assert suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points]) == 0

@@ -21,6 +21,7 @@ from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
+from specdeploy.runtime.planner import suggested_spec_off_above
 from specdeploy.triton import package
 from specdeploy.trtllm import build as trt_build
 from specdeploy.trtllm import convert
@@ -338,6 +339,14 @@ def test_auto_draft_shape_serves_the_planners_fastest_shape_on_the_cpu_only(make
     decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
     assert decoder.draft_len == int(size) and decoder.proposer.kind == mode
     assert model_yaml(out)["speculative_config"]["max_draft_len"] == 4  # the GPU keeps convert's chain
+    # and the load up to which it speculates: measured batches of 1..cpu_max_batch_size
+    curve = planned["load"]["curve"]
+    assert [p["batch"] for p in curve] == list(range(1, package.CPU_MAX_BATCH_SIZE + 1))
+    rule = suggested_spec_off_above([p["batch"] for p in curve], [p["speedup"] for p in curve], package.LOAD_PAYS)
+    assert planned["load"]["spec_off_above"] == (None if rule is None else max(1, rule))  # alone, it speculates
+    assert deployment(out).get("spec_off_above") == planned["load"]["spec_off_above"] == decoder.spec_off_above
+    given = package.run(build, spec="eagle", cpu_draft_shape="auto", spec_off_above=3)  # the user's value wins
+    assert deployment(given)["spec_off_above"] == 3 and "load" not in json.loads((given / "cpu" / package.PLAN_FILE).read_text())
     fixed = package.run(build, spec="eagle")  # another setting: packaged again, convert's chain
     assert deployment(fixed)["spec"]["max_draft_len"] == 4 and not (fixed / "cpu" / package.PLAN_FILE).exists()
     with pytest.raises(SpecDeployError, match="unknown draft shape"):

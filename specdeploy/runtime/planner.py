@@ -1,41 +1,39 @@
-"""Choosing the draft shape from measurement instead of a fixed tree.
+"""Choosing the draft shape, and the load up to which to speculate, from measurement.
 
 A round drafts a shape (a chain of k tokens or a tree of n nodes), verifies it in one target
 forward over n + 1 tokens and emits 1 + accepted tokens, so
 
-    tokens/s(shape) = (1 + E[accepted | shape]) / (draft_s(shape) + verify_s(n + 1))
+    tokens/s(shape) = (1 + E[accepted | shape]) / round_s(shape)
 
-against plain decoding's 1 / verify_s(1). Three measurements feed it:
-- verify_s(k): the target's forward over k new tokens after a prefix, on this machine, measured
-  once per (model structure, dtype, device, threads) and cached under $SPECDEPLOY_CACHE;
-- E[accepted]: greedy calibration on held-out prompts, each round drafting the next shape in
-  turn. A chain's first i tokens do not depend on its length, so the reach of position i,
-  P(accepted >= i), pools every round of a chain of >= i tokens;
-- draft_s(shape): the proposer's time for a round of that shape, in the same calibration.
-Both times are medians (over repeats, over rounds): robust to the odd disturbed run on a shared
-machine, representative of a draft whose cost varies by round (a dynamic tree stops early when
-no deeper node can be kept), and both sides of the ratio are taken the same way.
+against plain decoding's 1 / step_s. Both come from one greedy calibration on held-out prompts:
+- each prompt is generated twice, once with the rounds drafting the shapes in turn and once
+  plainly, so every shape's rounds and the plain steps are timed side by side (a shared machine's
+  slow minute slows them all alike); round_s is the median time from one round's draft to the
+  next round's (the draft, the verify, the acceptance), step_s the plain steps' median;
+- E[accepted]: a chain's first i tokens do not depend on its length, so the reach of position i,
+  P(accepted >= i), pools every round of a chain of >= i tokens; a larger dynamic tree keeps the
+  smaller one's nodes, so tree acceptance is made non-decreasing in size by pooling neighbours
+  that measured otherwise (few rounds each: noise).
+
+Under load the balance moves: an in-flight batch verifies every row in one forward, whose cost
+grows slowly with the batch, but drafts row by row. `measure_load_curve` runs batches of 1..n
+requests with speculative and plain rounds interleaved on the same sequences, and `spec_off_above`
+is the largest batch up to which speculating paid (Arctic's disable_by_batch_size).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, cache_dir
-from specdeploy.runtime.decoding import generate
-from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingParams, TargetState, model_device
-
-PLAN_VERSION = 2  # bump when what a cached cost curve means changes
+from specdeploy.runtime.batch import BatchRequest, InflightBatcher
+from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN, generate
+from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingParams, TargetState
 
 
 def _synchronize(device: torch.device) -> None:
@@ -43,85 +41,42 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# ---------------------------------------------------------------------- verify costs
+def _median(times: list[float]) -> float:
+    return statistics.median(times) if times else float("inf")
 
 
-def measure_verify_costs(
-    target: Any, max_tokens: int, *, hidden_layers: tuple[int, ...] = (), prefix: int = 256, repeats: int = 5
-) -> list[float]:
-    """Seconds of one target forward over k = 1..max_tokens new tokens after `prefix` cached ones
-    (entry k - 1), the sizes interleaved within each repeat, median over repeats."""
-    device = model_device(target)
-    prefix = max(1, min(prefix, target.config.max_position_embeddings - max_tokens))
-    generator = torch.Generator(device=device).manual_seed(0)
-    ids = torch.randint(0, target.config.vocab_size, (1, prefix + max_tokens), generator=generator, device=device)
-    times: list[list[float]] = [[] for _ in range(max_tokens)]
-    with torch.inference_mode():
-        cache = DynamicCache(config=target.config)
-        target(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True)
-        for repeat in range(repeats + 1):  # the first pass warms allocations up and is not kept
-            for k in range(1, max_tokens + 1):
-                _synchronize(device)
-                start = time.perf_counter()
-                target(input_ids=ids[:, prefix : prefix + k], past_key_values=cache, use_cache=True,
-                       output_hidden_states=bool(hidden_layers))
-                _synchronize(device)
-                if repeat:
-                    times[k - 1].append(time.perf_counter() - start)
-                cache.crop(prefix)
-    return [statistics.median(t) for t in times]
-
-
-def _cost_key(target: Any, max_tokens: int, hidden: bool, prefix: int) -> str:
-    """What a forward's cost depends on: the model's structure (config, module types: a
-    fake-quantized checkpoint runs extra ops per Linear), dtype, device, threads, MKL's code path
-    (device.tune_cpu_blas: it changes the curve's shape on an AMD CPU)."""
-    device = model_device(target)
-    parts = {
-        "config": target.config.to_dict(),
-        "modules": sorted({type(m).__name__ for m in target.modules()}),
-        "dtype": str(next(target.parameters()).dtype),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(),
-        "mkl_cbwr": os.environ.get("MKL_CBWR") if device.type == "cpu" else None,
-        "torch": torch.__version__,
-        "max_tokens": max_tokens, "hidden": hidden, "prefix": prefix, "version": PLAN_VERSION,
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def verify_costs(target: Any, max_tokens: int, *, hidden_layers: tuple[int, ...] = (), prefix: int = 256,
-                 cached: bool = True) -> list[float]:
-    """`measure_verify_costs`, remembered per model structure/dtype/device/threads."""
-    path = cache_dir() / "verify_costs" / f"{_cost_key(target, max_tokens, bool(hidden_layers), prefix)}.json"
-    if cached and path.is_file():
-        return json.loads(path.read_text())["seconds"]
-    seconds = measure_verify_costs(target, max_tokens, hidden_layers=hidden_layers, prefix=prefix)
-    atomic_write_json(path, {"seconds": seconds, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    return seconds
-
-
-# ---------------------------------------------------------------------- acceptance
+# ---------------------------------------------------------------------- calibration
 
 
 @dataclass
 class ShapeStats:
     rounds: int = 0
     accepted: int = 0
-    draft_times: list[float] = field(default_factory=list)  # seconds of each round's proposal
+    round_times: list[float] = field(default_factory=list)  # seconds of each timed round, draft to next draft
     # chains: reached[i] / drafted[i] = P(accepted >= i + 1), over rounds of shapes >= i + 1
     reached: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
 
     @property
-    def draft_s(self) -> float:
-        return statistics.median(self.draft_times) if self.draft_times else float("inf")
+    def round_s(self) -> float:
+        return _median(self.round_times)
+
+
+@dataclass
+class Calibration:
+    shapes: dict[DraftShape, ShapeStats]
+    step_times: list[float] = field(default_factory=list)  # plain decoding: seconds per token, one per prompt run
+
+    @property
+    def step_s(self) -> float:
+        return _median(self.step_times)
 
 
 class _Rotation(Proposer):
-    """Drafts the next shape in turn each round and records what each shape accepted and cost.
-    A request's first round is not timed: it also ingests the whole prompt (a draft model's
-    prefill, EAGLE's and DFlash's first context)."""
+    """Drafts the next shape in turn each round and records what each shape accepted and how long
+    its round took (until the next round's draft begins). A request's first round is not timed:
+    it also ingests the whole prompt (a draft model's prefill, EAGLE's and DFlash's first
+    context); nor is its last (no next draft ends it)."""
 
     kind = "tree"  # the verifier passes the whole budget; the shape decides what is drafted
 
@@ -131,25 +86,25 @@ class _Rotation(Proposer):
         self.stats: dict[DraftShape, ShapeStats] = {shape: ShapeStats() for shape in shapes}
         self.turn = 0
         self.current = shapes[0]
+        self.open: float | None = None  # when the current round's draft began (None: untimed)
         self.first = True
         self.returned = 0  # tokens the proposer drafted this round, before the verifier's cut
 
     def reset(self) -> None:
         self.inner.reset()
-        self.first = True
+        self.first, self.open = True, None
 
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
+        _synchronize(state.tokens.device)
+        now = time.perf_counter()
+        if self.open is not None:
+            self.stats[self.current].round_times.append(now - self.open)
         self.current = self.shapes[self.turn % len(self.shapes)]
         self.turn += 1
-        self.inner.set_shape(self.current)
-        device = state.tokens.device
-        _synchronize(device)
-        start = time.perf_counter()
-        tree = self.inner.propose(state, self.current.size)
-        _synchronize(device)
-        if not self.first:
-            self.stats[self.current].draft_times.append(time.perf_counter() - start)
+        self.open = None if self.first else now
         self.first = False
+        self.inner.set_shape(self.current)
+        tree = self.inner.propose(state, self.current.size)
         self.returned = len(tree)
         return tree
 
@@ -169,23 +124,27 @@ class _Rotation(Proposer):
                 stats.reached[i] += int(num_accepted > i)
 
     def short_of(self, min_rounds: int) -> bool:
-        return any(len(s.draft_times) < min_rounds for s in self.stats.values())
+        return any(len(s.round_times) < min_rounds for s in self.stats.values())
 
 
 def calibrate(
     target: Any, proposer: Proposer, prompts: list[list[int]], shapes: list[DraftShape], *, max_new_tokens: int = 48,
-    min_rounds: int = 8, passes: int = 3,
-) -> dict[DraftShape, ShapeStats]:
-    """Greedy generation on `prompts`, the rounds cycling through `shapes`; the prompts again
-    (up to `passes` times) until every shape has `min_rounds` timed rounds."""
+    min_rounds: int = 12, passes: int = 4,
+) -> Calibration:
+    """Greedy generation on `prompts`, the rounds cycling through `shapes`, each prompt then
+    plainly; the prompts again (up to `passes` times) until every shape has `min_rounds` timed rounds."""
     rotation = _Rotation(proposer, shapes)
     budget = max(shape.size for shape in shapes)
+    step_times = []
     for _ in range(passes):
         for ids in prompts:
             generate(target, ids, SamplingParams(max_new_tokens=max_new_tokens), rotation, draft_len=budget, adaptive=False)
+            plain = generate(target, ids, SamplingParams(max_new_tokens=max_new_tokens)).metrics
+            if plain.new_tokens > 1:
+                step_times.append((plain.elapsed_s - plain.time_to_first_token_s) / (plain.new_tokens - 1))
         if not rotation.short_of(min_rounds):
             break
-    return rotation.stats
+    return Calibration(rotation.stats, step_times)
 
 
 def chain_reach(stats: dict[DraftShape, ShapeStats]) -> list[float]:
@@ -204,6 +163,18 @@ def chain_reach(stats: dict[DraftShape, ShapeStats]) -> list[float]:
     return [r / d for r, d in zip(reached, drafted) if d > 0]
 
 
+def tree_acceptance(stats: dict[DraftShape, ShapeStats]) -> dict[DraftShape, float]:
+    """E[accepted] per tree size, made non-decreasing in size (pool-adjacent-violators, weighted
+    by rounds): a larger dynamic tree holds the smaller one's nodes, so it cannot accept less."""
+    blocks: list[list] = []  # [accepted, rounds, shapes]
+    for shape, s in sorted(((k, v) for k, v in stats.items() if k.mode != "chain" and v.rounds), key=lambda kv: kv[0].size):
+        blocks.append([s.accepted, s.rounds, [shape]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            accepted, rounds, shapes = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + accepted, blocks[-1][1] + rounds, blocks[-1][2] + shapes]
+    return {shape: accepted / rounds for accepted, rounds, shapes in blocks for shape in shapes}
+
+
 # ---------------------------------------------------------------------- the plan
 
 
@@ -211,12 +182,11 @@ def chain_reach(stats: dict[DraftShape, ShapeStats]) -> list[float]:
 class ShapeEstimate:
     shape: DraftShape
     tokens_per_round: float
-    draft_s: float
-    verify_s: float
+    round_s: float
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_round / (self.draft_s + self.verify_s)
+        return self.tokens_per_round / self.round_s
 
 
 @dataclass
@@ -227,7 +197,6 @@ class Plan:
     ar_tokens_per_s: float
     estimates: list[ShapeEstimate]
     reach: list[float] = field(default_factory=list)  # chains: P(accepted >= i), i = 1, 2, ...
-    verify_s: list[float] = field(default_factory=list)  # the verify-cost curve used (k = 1, 2, ...)
 
     @property
     def expected_speedup(self) -> float:
@@ -240,34 +209,29 @@ class Plan:
             "ar_tokens_per_s": self.ar_tokens_per_s,
             "expected_speedup": self.expected_speedup,
             "reach": self.reach,
-            "verify_s": self.verify_s,
-            "estimates": [{"shape": str(e.shape), "tokens_per_round": e.tokens_per_round, "draft_s": e.draft_s,
-                           "verify_s": e.verify_s, "tokens_per_s": e.tokens_per_s} for e in self.estimates],
+            "estimates": [{"shape": str(e.shape), "tokens_per_round": e.tokens_per_round, "round_s": e.round_s,
+                           "tokens_per_s": e.tokens_per_s} for e in self.estimates],
         }
 
 
-def plan(stats: dict[DraftShape, ShapeStats], verify_s: list[float]) -> Plan:
-    """The best shape for measured acceptance `stats` and verify costs (entry k - 1: k tokens)."""
+def plan(calibration: Calibration) -> Plan:
+    """The best shape for a calibration's acceptance and round times."""
+    stats = calibration.shapes
     reach = chain_reach(stats)
+    trees = tree_acceptance(stats)
     estimates = []
     for shape, s in sorted(stats.items(), key=lambda item: (item[0].mode, item[0].size)):
-        if shape.size + 1 > len(verify_s) or s.rounds == 0:
+        if not s.round_times or s.rounds == 0 or (shape.mode == "chain" and shape.size > len(reach)):
             continue
-        if shape.mode == "chain":
-            if shape.size > len(reach):
-                continue
-            tokens = 1.0 + sum(reach[: shape.size])
-        else:
-            tokens = 1.0 + s.accepted / s.rounds
-        estimates.append(ShapeEstimate(shape, tokens, s.draft_s, verify_s[shape.size]))
-    ar = 1.0 / verify_s[0]
+        accepted = sum(reach[: shape.size]) if shape.mode == "chain" else trees[shape]
+        estimates.append(ShapeEstimate(shape, 1.0 + accepted, s.round_s))
+    ar = 1.0 / calibration.step_s
     best = max(estimates, key=lambda e: e.tokens_per_s, default=None)
-    return Plan(best.shape if best and best.tokens_per_s > ar else None, ar, estimates, reach, list(verify_s))
+    return Plan(best.shape if best and best.tokens_per_s > ar else None, ar, estimates, reach)
 
 
 def choose_draft_shape(
     target: Any, proposer: Proposer, prompts: list[list[int]], *, max_len: int = 8, max_new_tokens: int = 48,
-    cached_costs: bool = True,
 ) -> Plan:
     """Calibrate `proposer` on held-out `prompts` (token ids) and pick the draft shape that
     maximizes expected tokens/s on this machine (what `--draft-shape auto` and the package stage
@@ -280,9 +244,7 @@ def choose_draft_shape(
                               hint="use --draft-shape fixed for it (Medusa, static EAGLE choices)")
     if not prompts:
         raise SpecDeployError("choosing a draft shape needs calibration prompts", hint="pass at least one prompt")
-    costs = verify_costs(target, max(s.size for s in shapes) + 1, hidden_layers=proposer.hidden_layers,
-                         cached=cached_costs)
-    chosen = plan(calibrate(target, proposer, prompts, shapes, max_new_tokens=max_new_tokens), costs)
+    chosen = plan(calibrate(target, proposer, prompts, shapes, max_new_tokens=max_new_tokens))
     if chosen.shape is not None:
         proposer.set_shape(chosen.shape)
     return chosen
@@ -297,6 +259,76 @@ def calibration_prompts(tokenizer: Any, n: int = 4) -> list[list[int]]:
     codes = data.humaneval_prompts()[-(n // 2):] if n // 2 else []
     texts = [data.chat_text(tokenizer, text) for text in chats]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts] + [tokenizer(t)["input_ids"] for t in codes]
+
+
+# ---------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadPoint:
+    """One in-flight batch of `batch` sequences: tokens/s of its speculative and its plain rounds."""
+
+    batch: int
+    spec_tokens: int
+    spec_s: float
+    plain_tokens: int
+    plain_s: float
+
+    @property
+    def speedup(self) -> float:
+        return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "spec_tokens_per_s": self.spec_tokens / self.spec_s,
+                "plain_tokens_per_s": self.plain_tokens / self.plain_s, "speedup": self.speedup}
+
+
+def measure_load_curve(make_batcher: Callable[[int], InflightBatcher], prompts: list[list[int]], batch_sizes: list[int], *,
+                       rounds: int = 12, max_draft: int = DEFAULT_DRAFT_LEN) -> list[LoadPoint]:
+    """For each size: that many greedy requests (`prompts` cycled) decoded in one batch from
+    `make_batcher(size)`, `rounds` speculative and `rounds` plain rounds in ABBA order on the
+    same sequences; tokens/s of each kind. A size whose rows end before both kinds ran is left out."""
+    points = []
+    for size in batch_sizes:
+        batcher = make_batcher(size)
+        emitted: list[int] = []
+        params = SamplingParams(max_new_tokens=rounds * (max_draft + 2) + 2)
+        for i in range(size):
+            batcher.add(BatchRequest(prompts[i % len(prompts)], params, on_tokens=lambda group: emitted.append(len(group))))
+        batcher.spec_off_above = 0
+        batcher.step()  # admits (prefills) every request and runs one plain round: not counted
+        seconds, tokens = {True: 0.0, False: 0.0}, {True: 0, False: 0}
+        for r in range(2 * rounds):
+            if batcher.active < size:
+                break
+            speculate = r % 4 in (0, 3)
+            batcher.spec_off_above = None if speculate else 0
+            before = len(emitted)
+            _synchronize(batcher.device)
+            start = time.perf_counter()
+            batcher.step()
+            _synchronize(batcher.device)
+            seconds[speculate] += time.perf_counter() - start
+            tokens[speculate] += sum(emitted[before:])
+        if seconds[True] and seconds[False]:
+            points.append(LoadPoint(size, tokens[True], seconds[True], tokens[False], seconds[False]))
+    return points
+
+
+def break_even(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:
+    """The first level (concurrency, batch size) whose speed-up is below `pays`: from there on
+    speculation does not pay."""
+    return next((level for level, s in zip(levels, speedups) if s is not None and s < pays), None)
+
+
+def suggested_spec_off_above(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:
+    """`spec_off_above` from a speed-up curve: speculate only in batches as large as the largest
+    level before the break-even (None: it paid at every level; 0: not even alone)."""
+    point = break_even(levels, speedups, pays)
+    if point is None:
+        return None
+    paying = [level for level in levels if level < point]
+    return max(paying) if paying else 0
 
 
 def describe(plan: Plan) -> str:

@@ -52,6 +52,7 @@ OUT = "triton_repo"
 TRAINED = ("medusa", "eagle", "dflash")  # kinds whose deployment reads the spec stage's spec/ folder
 ROUTES_FILE = "gpu_routes.json"
 DEPLOYMENT_FILE = "deployment.json"  # cpu/tensorrt_llm/1/: what the CPU runtime loads
+CPU_PLAN = 4  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
 PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
 CPU_DRAFT_SHAPES = ("fixed", "auto")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
@@ -374,6 +375,32 @@ def plan_cpu_shape(path: Path, structure: DraftStructure | None) -> dict[str, An
     return {"options": decoder.proposer.shape_options(shape), "plan": plan.as_dict()}
 
 
+# A batch speculates where its rounds measured at least this much faster in-process: served, the
+# margin shrinks (session 8: in-process 1.01x / 1.09x at batch 2 / 3, `make loadtest` 0.85x at
+# concurrency 2), and a server slower under load than plain decoding is the worse mistake.
+LOAD_PAYS = 1.05
+
+
+def plan_cpu_load(path: Path, max_batch_size: int) -> dict[str, Any]:
+    """The CPU deployment's spec_off_above, measured on the deployment as written (its planned
+    shape): in-flight batches of 1..max_batch_size, speculative and plain rounds interleaved.
+    At least 1: alone, the deployment speculates, as the build asked."""
+    from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
+    from specdeploy.runtime.deployment import load_decoder
+    from specdeploy.runtime.planner import calibration_prompts, measure_load_curve, suggested_spec_off_above
+
+    decoder = load_decoder(path)
+    sizes = list(range(1, max_batch_size + 1))
+    points = measure_load_curve(lambda size: decoder.batcher(max_batch_size=size), calibration_prompts(decoder.tokenizer),
+                                sizes, max_draft=decoder.draft_len or DEFAULT_DRAFT_LEN)
+    off_above = suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points], LOAD_PAYS)
+    off_above = None if off_above is None else max(1, off_above)
+    curve = ", ".join(f"{p.batch}: {p.speedup:.2f}x" for p in points)
+    print(f"specdeploy package: CPU deployment, speculative over plain rounds by in-flight batch size: {curve}; "
+          f"spec_off_above {off_above if off_above is not None else 'none (speculation paid at every size)'}", file=sys.stderr)
+    return {"spec_off_above": off_above, "pays": LOAD_PAYS, "curve": [p.as_dict() for p in points]}
+
+
 def _dflash_block(spec_dir: Path) -> int | None:
     """The block size the spec stage trained DFlash with (spec/spec_config.json)."""
     config = spec_dir / "spec_config.json"
@@ -481,9 +508,11 @@ def run(
     computes (auto|cpu|cuda|cuda:N, stored as given). `adaptive`: the CPU runtime falls back to
     plain decoding while speculation does not pay; off by default, as TensorRT-LLM speculates.
     `cpu_max_batch_size`: sequences in the CPU deployment's in-flight batch; `spec_off_above`:
-    larger batches decode plainly (None: always speculate; `make loadtest` measures where);
+    larger batches decode plainly (None: always speculate, or with "auto" below what the planner
+    measures; `make loadtest` measures it through the server);
     `cpu_draft_shape` "auto": the CPU deployment drafts the shape the planner measures fastest on
-    this machine (runtime.planner; the GPU routes keep convert's), "fixed": convert's."""
+    this machine and stops speculating above the batch size where that stops paying
+    (runtime.planner; the GPU routes keep convert's shape), "fixed": convert's."""
     if cpu_draft_shape not in CPU_DRAFT_SHAPES:
         raise SpecDeployError(f"unknown draft shape choice '{cpu_draft_shape}'", hint=f"use {' or '.join(CPU_DRAFT_SHAPES)}")
     if spec == "eagle" and choices is not None:
@@ -504,7 +533,7 @@ def run(
         "spec": spec, "choices": tree.to_list() if tree else None, "structure": structure.as_dict() if structure else None,
         "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "device": device, "adaptive": adaptive,
         "max_batch_size": max_batch_size, "cpu_max_batch_size": cpu_max_batch_size, "spec_off_above": spec_off_above,
-        "cpu_draft_shape": cpu_draft_shape, "decoupled": decoupled,
+        "cpu_draft_shape": cpu_draft_shape, "cpu_plan": CPU_PLAN if cpu_draft_shape == "auto" else None, "decoupled": decoupled,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction, "templates": _templates_digest(),
     }
     consumes = tuple(s for s in _UPSTREAM if build.record(s) is not None)
@@ -547,6 +576,10 @@ def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tr
         if planned is not None:
             deployment["spec"].update(planned["options"])
             atomic_write_json(written, deployment)
+            if settings["spec_off_above"] is None:  # the user's value wins
+                planned["load"] = plan_cpu_load(written, settings["cpu_max_batch_size"])
+                if planned["load"]["spec_off_above"] is not None:
+                    atomic_write_json(written, {**deployment, "spec_off_above": planned["load"]["spec_off_above"]})
             atomic_write_json(tmp / "cpu" / PLAN_FILE, planned)
     gpu = {"max_batch_size": settings["max_batch_size"], "decoupled": settings["decoupled"],
            "kv_cache_free_gpu_mem_fraction": settings["kv_cache_free_gpu_mem_fraction"]}
@@ -613,8 +646,9 @@ def add_cpu_deployment_args(parser: argparse.ArgumentParser, draft_shape: str) -
     parser.add_argument("--cpu-max-batch-size", type=_at_least(1), default=CPU_MAX_BATCH_SIZE,
                         help=f"CPU deployment: sequences decoded together in one in-flight batch (default {CPU_MAX_BATCH_SIZE})")
     parser.add_argument("--spec-off-above", type=_at_least(0),
-                        help="CPU deployment: batches of more active sequences than this decode plainly; `make loadtest` "
-                             "measures where speculation stops paying and prints the value (default: always speculate)")
+                        help="CPU deployment: batches of more active sequences than this decode plainly (default: with "
+                             "--cpu-draft-shape auto, the largest batch up to which speculating measured faster here; "
+                             "else always speculate); `make loadtest` measures the curve through the server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
