@@ -59,6 +59,8 @@ GPU_STAGE, GPU_OUT = "verify_gpu", "reports_gpu"
 DEPLOYMENT = Path("tensorrt_llm") / "1" / "deployment.json"
 ACCEPTANCE_DEFINITION = ("TensorRT-LLM's: (accepted draft tokens + 1 per target forward) / target forwards, prefill "
                          "not counted; counts summed over prompts, from the server's total_accepted_draft_tokens")
+SPEEDUP_DEFINITION = ("output tokens/s of the speculative deployment over its AR twin's, each counted on its own served "
+                      "output (re-tokenized text) over its request's latency, TTFT included; summed over prompts")
 # the Triton llmapi model's names for the ensemble's inputs (triton_backend/all_models/llmapi)
 LLMAPI_INPUTS = {"max_tokens": "sampling_param_max_tokens", "stream": "streaming",
                  "return_perf_metrics": "sampling_param_return_perf_metrics", "temperature": "sampling_param_temperature",
@@ -202,7 +204,8 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Re
             baseline = ar.generate(request, stream=True)
         ref = hf_reference(reference.model, reference.tokenizer, reference.ids(prompt), max_new_tokens)
         parity = compare(prompt, ref, served.text, reference.tokenizer)
-        tokens = len(ref.token_ids) if parity.match else len(reference.tokenizer(served.text, add_special_tokens=False)["input_ids"])
+        tokens = len(ref.token_ids) if parity.match else _count_tokens(reference.tokenizer, served.text)
+        ar_tokens = None if baseline is None else tokens if baseline.text == served.text else _count_tokens(reference.tokenizer, baseline.text)
         accepted = int(served.perf.get("total_accepted_draft_tokens", 0))
         forwards = served_forwards(tokens, accepted)
         rows.append({
@@ -210,11 +213,26 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Re
             "accepted_draft_tokens": accepted, "target_forwards": forwards,
             "acceptance_length": acceptance_length(accepted, forwards),
             "latency_s": served.latency_s, "ttft_s": served.time_to_first_chunk_s,
-            "ar_latency_s": baseline.latency_s if baseline else None,
+            "ar_latency_s": baseline.latency_s if baseline else None, "ar_tokens": ar_tokens,
             "ar_matches": baseline.text == served.text if baseline else None,
-            "speedup": baseline.latency_s / served.latency_s if baseline and served.latency_s > 0 else None,
+            "speedup": _speedup([(tokens, served.latency_s, ar_tokens, baseline.latency_s)]) if baseline else None,
         })
     return rows
+
+
+def _count_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _speedup(runs: list[tuple[int, float, int | None, float | None]]) -> float | None:
+    """Output tokens/s of the speculative arm over the AR twin's, over (tokens, latency_s,
+    ar_tokens, ar_latency_s) runs, each arm counted on its own output: outside float64 the two
+    can part at a near-tie and one stop early, so a latency ratio would compare different work."""
+    spec_s, ar_s = sum(run[1] for run in runs), sum(run[3] or 0.0 for run in runs)
+    ar_tokens = sum(run[2] or 0 for run in runs)
+    if spec_s <= 0 or ar_s <= 0 or not ar_tokens:
+        return None
+    return (sum(run[0] for run in runs) / spec_s) / (ar_tokens / ar_s)
 
 
 def parity_rule(dtype: str, quant: dict[str, Any]) -> str:
@@ -226,6 +244,10 @@ def parity_rule(dtype: str, quant: dict[str, Any]) -> str:
 
 def _acceptance(rows: list[dict[str, Any]]) -> float:
     return acceptance_length(sum(r["accepted_draft_tokens"] for r in rows), sum(r["target_forwards"] for r in rows))
+
+
+def _runs(rows: list[dict[str, Any]]) -> list[tuple[int, float, int | None, float | None]]:
+    return [(r["tokens"], r["latency_s"], r["ar_tokens"], r["ar_latency_s"]) for r in rows if r["speedup"]]
 
 
 def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float) -> dict[str, Any]:
@@ -242,8 +264,9 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
                         for r in rows if not r["match"]],
         "acceptance_length": _acceptance(rows),
         "acceptance_length_definition": ACCEPTANCE_DEFINITION,
-        # total time over total time: one slow prompt weighs as much as its share of the work
-        "speedup": sum(r["ar_latency_s"] for r in rows) / sum(r["latency_s"] for r in rows) if speedups else None,
+        # total tokens over total time per arm: one slow prompt weighs as much as its share of the work
+        "speedup": _speedup(_runs(rows)) if speedups else None,
+        "speedup_definition": SPEEDUP_DEFINITION,
         "speedup_min": min(speedups) if speedups else None,
         "served_tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["latency_s"] for r in rows),
         "ttft_s_median": statistics.median(r["ttft_s"] for r in rows),
@@ -252,7 +275,7 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
         subset = [r for r in rows if r["category"] == category]
         summary[f"acceptance_length_{category}"] = _acceptance(subset)
         if speedups:
-            summary[f"speedup_{category}"] = sum(r["ar_latency_s"] for r in subset) / sum(r["latency_s"] for r in subset)
+            summary[f"speedup_{category}"] = _speedup(_runs(subset))
             summary[f"speedup_min_{category}"] = min(r["speedup"] for r in subset)
     return summary
 
@@ -260,7 +283,7 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
 def _flat(summary: dict[str, Any]) -> dict[str, Any]:
     """The served report's own figures (the other reports and long texts are printed apart)."""
     return {k: v for k, v in summary.items()
-            if k not in ("divergences", "acceptance_length_definition") and not isinstance(v, dict)}
+            if k not in ("divergences", "acceptance_length_definition", "speedup_definition") and not isinstance(v, dict)}
 
 
 def headlines(summary: dict[str, Any]) -> list[str]:
@@ -289,12 +312,15 @@ def write_reports(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]
     lines = ["# specdeploy verify", "", *[f"- {line}" for line in headlines(summary)], "",
              "## b. Served", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in _flat(summary).items()]
-    lines += ["", f"Acceptance length: {ACCEPTANCE_DEFINITION}."]
-    lines += ["", "## b. Served, per prompt", "", "| category | match | first divergence | margin | accept len | speed-up |", "|---|---|---|---|---|---|"]
+    lines += ["", f"Acceptance length: {ACCEPTANCE_DEFINITION}.", "", f"Speed-up: {SPEEDUP_DEFINITION}."]
+    lines += ["", "## b. Served, per prompt", "",
+              "| category | match | first divergence | margin | accept len | tokens (AR twin) | speed-up |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         margin = f"{r['margin_at_divergence']:.3f}" if r["margin_at_divergence"] is not None else "-"
-        lines.append(f"| {r['category']} | {r['match']} | {r['first_divergence_token'] or '-'} | {margin} | {r['acceptance_length']:.2f} | {speedup} |")
+        ar_tokens = "" if r.get("ar_tokens") is None else f" ({r['ar_tokens']})"
+        lines.append(f"| {r['category']} | {r['match']} | {r['first_divergence_token'] or '-'} | {margin} | "
+                     f"{r['acceptance_length']:.2f} | {r['tokens']}{ar_tokens} | {speedup} |")
     for name, report in (("a. Exactness", summary.get("exactness")), ("c. Fidelity", summary.get("fidelity"))):
         if report:
             lines += ["", f"## {name}", "", f"Rule: {report['rule']}.", "", "| prompt | identical | first difference |", "|---|---|---|"]

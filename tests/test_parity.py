@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdeploy.parity import compare, hf_reference
 from specdeploy.quantize.loader import parity_dtype
 from specdeploy.runtime.types import acceptance_length
-from specdeploy.verify import (ACCEPTANCE_DEFINITION, parity_rule, served_forwards, summarize,
+from specdeploy.verify import (ACCEPTANCE_DEFINITION, SPEEDUP_DEFINITION, _speedup, parity_rule, served_forwards, summarize,
                               trtllm_target, write_reports)
 
 
@@ -84,6 +84,21 @@ def test_acceptance_length_is_trtllms_summed_over_prompts(tmp_path):
     assert summary["acceptance_length_definition"] == ACCEPTANCE_DEFINITION
     write_reports(tmp_path, summary, rows)
     assert f"Acceptance length: {ACCEPTANCE_DEFINITION}" in (tmp_path / "verify.md").read_text()
+
+
+def test_speedup_is_tokens_per_s_of_each_arm_on_its_own_output():
+    """Outside float64 the speculative answer can part from the AR twin's at a near-tie and stop
+    early: 14 tokens in 1.4 s against 64 in 6.4 s is the same 10 tokens/s, not a 4x latency win."""
+    early = {**_row("chat", 14, 4), "latency_s": 1.4, "ar_latency_s": 6.4, "ar_tokens": 64, "speedup": 1.0}
+    same = {**_row("code", 64, 20), "latency_s": 4.0, "ar_latency_s": 6.0, "ar_tokens": 64, "speedup": 1.5}
+    for row in (early, same):
+        row["speedup"] = _speedup([(row["tokens"], row["latency_s"], row["ar_tokens"], row["ar_latency_s"])])
+    assert early["speedup"] == pytest.approx(1.0) and same["speedup"] == pytest.approx(1.5)
+    summary = summarize([early, same], "float32", "near-tie", near_tie=1.0)
+    assert summary["speedup"] == pytest.approx((78 / 5.4) / (128 / 12.4))
+    assert summary["speedup_chat"] == pytest.approx(1.0) and summary["speedup_min"] == pytest.approx(1.0)
+    assert summary["speedup_definition"] == SPEEDUP_DEFINITION
+    assert _speedup([(10, 1.0, None, None)]) is None  # no AR twin asked
 
 
 def test_a_trtllm_route_is_asked_in_its_own_input_names():
