@@ -37,6 +37,7 @@ import argparse
 import json
 import shutil
 import statistics
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -313,6 +314,8 @@ def write_reports(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]
              "## b. Served", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in _flat(summary).items()]
     lines += ["", f"Acceptance length: {ACCEPTANCE_DEFINITION}.", "", f"Speed-up: {SPEEDUP_DEFINITION}."]
+    if summary.get("seconds"):
+        lines += ["", "Time (s): " + ", ".join(f"{name.replace('_', ' ')} {value:.0f}" for name, value in summary["seconds"].items()) + "."]
     lines += ["", "## b. Served, per prompt", "",
               "| category | match | first divergence | margin | accept len | tokens (AR twin) | speed-up |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -381,7 +384,9 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
     quant = getattr(reference.model, "specdeploy_quant", {})
     prompts = load_prompts(per_category, reference.tokenizer)
     twin_dir = build.root / ".ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
+    seconds: dict[str, float] = {}  # per report: what a verify run's time goes to
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp:
+        start = time.perf_counter()
         with ExitStack() as servers:  # the servers stop before the in-process checks load their models
             if url is None:
                 url = servers.enter_context(TritonServer(cpu_repo, log_path=tmp / "tritonserver.log")).grpc_url
@@ -393,19 +398,26 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
                 ar.wait_ready()
             spec = TritonLLMClient(url)
             spec.wait_ready()
+            seconds["servers_start"] = time.perf_counter() - start
             rows = run_prompts(spec, ar, reference, prompts, max_new_tokens)
+            seconds["served_and_reference"] = time.perf_counter() - start - seconds["servers_start"]
         shutil.rmtree(twin_dir.parent, ignore_errors=True)
         summary = summarize(rows, dtype, parity_rule(dtype, quant), near_tie)
         ids = [reference.ids(p.text_input)[0].tolist() for p in prompts]
         del reference  # one model in memory at a time
         from specdeploy.models import checkpoint_dtype
 
+        start = time.perf_counter()
+
         base = build.path("base")
         original = load_reference(base, checkpoint_dtype(base), device, role="original model")
         served = f"{dtype} CPU runtime on {quant.get('quant_algo') or 'unquantized'} weights"
         summary["fidelity"] = fidelity(original, prompts, rows, max_new_tokens, served, checkpoint_dtype(base))
         del original
+        seconds["fidelity"], start = time.perf_counter() - start, time.perf_counter()
         summary["exactness"] = speculative_exactness(cpu_repo / DEPLOYMENT, ids, max_new_tokens, device)
+        seconds["exactness"] = time.perf_counter() - start
+        summary["seconds"] = {name: round(value, 3) for name, value in seconds.items()}
         write_reports(tmp, summary, rows)
     return summary
 
@@ -460,6 +472,8 @@ def main(args: argparse.Namespace) -> int:
     for key, value in _flat(summary).items():
         print(f"{key:>28}: {value:.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
     print("\n".join(headlines(summary)))
+    if summary.get("seconds"):
+        print("time (s): " + ", ".join(f"{name.replace('_', ' ')} {value:.0f}" for name, value in summary["seconds"].items()))
     for d in summary["divergences"]:
         print(f"  divergence at token {d['token']} (margin {d['margin']}): {d['prompt']!r}")
     out = build.path(GPU_OUT if args.server == "trtllm" else OUT)

@@ -118,7 +118,11 @@ def test_verify_reports_exactness_served_and_fidelity_on_the_fp8_build(engine_bu
     fidelity = summary["fidelity"]
     assert fidelity["prompts"] == 4 and fidelity["identical"] == sum(r["identical"] for r in fidelity["rows"])
     assert "float32" in fidelity["original"] and served in fidelity["served"] and "FP8" in fidelity["served"]
+    # where verify's time goes, per report
+    assert set(summary["seconds"]) == {"servers_start", "served_and_reference", "fidelity", "exactness"}
+    assert all(value > 0 for value in summary["seconds"].values())
     text = (engine_build.path("reports") / "verify.md").read_text()
+    assert "Time (s): servers start" in text
     assert "a. exactness (float64" in text and "4/4 identical" in text and "c. fidelity" in text
     assert (engine_build.path("reports") / "acceptance_length.png").stat().st_size > 1000
 
