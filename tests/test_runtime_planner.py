@@ -186,8 +186,10 @@ def test_load_curve_interleaves_speculative_and_plain_rounds(target):
     points = measure_load_curve(batcher_of(target, perfect, 3), [[5, 17, 33, 90], [100, 101, 102, 7]], [1, 2, 3],
                                 rounds=4, max_draft=3)
     assert [p.batch for p in points] == [1, 2, 3]
-    for p in points:  # 4 rounds of each kind: a plain round emits 1 token a row, a speculative one 3 + 1
-        assert (p.plain_tokens, p.spec_tokens) == (4 * p.batch, 16 * p.batch)
+    # every prompt is in a batch: two batches of 1, one of 2, one of 3 (the prompts cycled);
+    # 4 rounds of each kind per batch: a plain round emits 1 token a row, a speculative one 3 + 1
+    for p, batches in zip(points, [2, 1, 1]):
+        assert (p.plain_tokens, p.spec_tokens) == (4 * p.batch * batches, 16 * p.batch * batches)
         assert p.spec_s > 0 and p.plain_s > 0
 
 

@@ -285,34 +285,43 @@ class LoadPoint:
 
 def measure_load_curve(make_batcher: Callable[[int], InflightBatcher], prompts: list[list[int]], batch_sizes: list[int], *,
                        rounds: int = 12, max_draft: int = DEFAULT_DRAFT_LEN) -> list[LoadPoint]:
-    """For each size: that many greedy requests (`prompts` cycled) decoded in one batch from
-    `make_batcher(size)`, `rounds` speculative and `rounds` plain rounds in ABBA order on the
-    same sequences; tokens/s of each kind. A size whose rows end before both kinds ran is left out."""
+    """For each size: batches of that many greedy requests from `make_batcher(size)`, as many as
+    it takes for every prompt to be in one (a batch of 1 measured on one prompt alone is one
+    prompt's acceptance), each decoding `rounds` speculative and `rounds` plain rounds in ABBA order
+    on the same sequences; tokens/s of each kind over them all. A size whose rows end before both
+    kinds ran is left out."""
     points = []
     for size in batch_sizes:
-        batcher = make_batcher(size)
-        emitted: list[int] = []
-        params = SamplingParams(max_new_tokens=rounds * (max_draft + 2) + 2)
-        for i in range(size):
-            batcher.add(BatchRequest(prompts[i % len(prompts)], params, on_tokens=lambda group: emitted.append(len(group))))
-        batcher.spec_off_above = 0
-        batcher.step()  # admits (prefills) every request and runs one plain round: not counted
         seconds, tokens = {True: 0.0, False: 0.0}, {True: 0, False: 0}
-        for r in range(2 * rounds):
-            if batcher.active < size:
-                break
-            speculate = r % 4 in (0, 3)
-            batcher.spec_off_above = None if speculate else 0
-            before = len(emitted)
-            _synchronize(batcher.device)
-            start = time.perf_counter()
-            batcher.step()
-            _synchronize(batcher.device)
-            seconds[speculate] += time.perf_counter() - start
-            tokens[speculate] += sum(emitted[before:])
+        for first in range(0, max(len(prompts), 1), size):
+            batch = [prompts[(first + i) % len(prompts)] for i in range(size)]
+            _time_rounds(make_batcher(size), batch, rounds, max_draft, seconds, tokens)
         if seconds[True] and seconds[False]:
             points.append(LoadPoint(size, tokens[True], seconds[True], tokens[False], seconds[False]))
     return points
+
+
+def _time_rounds(batcher: InflightBatcher, batch: list[list[int]], rounds: int, max_draft: int,
+                 seconds: dict[bool, float], tokens: dict[bool, int]) -> None:
+    """Decode `batch` together, adding the time and tokens of speculative (True) and plain rounds."""
+    emitted: list[int] = []
+    params = SamplingParams(max_new_tokens=rounds * (max_draft + 2) + 2)
+    for ids in batch:
+        batcher.add(BatchRequest(ids, params, on_tokens=lambda group: emitted.append(len(group))))
+    batcher.spec_off_above = 0
+    batcher.step()  # admits (prefills) every request and runs one plain round: not counted
+    for r in range(2 * rounds):
+        if batcher.active < len(batch):
+            break
+        speculate = r % 4 in (0, 3)
+        batcher.spec_off_above = None if speculate else 0
+        before = len(emitted)
+        _synchronize(batcher.device)
+        start = time.perf_counter()
+        batcher.step()
+        _synchronize(batcher.device)
+        seconds[speculate] += time.perf_counter() - start
+        tokens[speculate] += sum(emitted[before:])
 
 
 def break_even(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:
