@@ -401,12 +401,11 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
 
 
 def _start_servers(stack: ExitStack, repos: dict[str, Path], logs: Path) -> dict[str, str]:
-    """One tritonserver per arm; they stop when the stack closes. Started from this thread: a
-    server dies with the thread that started it (serve.py's PR_SET_PDEATHSIG), so not in a pool."""
-    from specdeploy.triton.serve import TritonServer
+    """One tritonserver per arm, loading side by side; they stop when the stack closes."""
+    from specdeploy.triton.serve import TritonServer, start_together
 
-    return {arm: stack.enter_context(TritonServer(repo, log_path=logs / f"tritonserver_{arm}.log")).grpc_url
-            for arm, repo in repos.items()}
+    servers = {arm: TritonServer(repo, log_path=logs / f"tritonserver_{arm}.log") for arm, repo in repos.items()}
+    return {arm: server.grpc_url for arm, server in start_together(stack, servers).items()}
 
 
 def suggestion(off_above: int | None) -> str:

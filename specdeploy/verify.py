@@ -372,7 +372,7 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
     if server == "trtllm":
         return _verify_trtllm(build, per_category=per_category, max_new_tokens=max_new_tokens, url=url,
                               near_tie=near_tie, device=device, route=route)
-    from specdeploy.triton.serve import TritonServer
+    from specdeploy.triton.serve import TritonServer, start_together
 
     cpu_repo = build.path("triton_repo") / "cpu"
     if build.record("package") is None or not (cpu_repo / DEPLOYMENT).exists():
@@ -387,14 +387,17 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
     seconds: dict[str, float] = {}  # per report: what a verify run's time goes to
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp:
         start = time.perf_counter()
-        with ExitStack() as servers:  # the servers stop before the in-process checks load their models
+        with ExitStack() as stack:  # the servers stop before the in-process checks load their models
+            servers = {}
             if url is None:
-                url = servers.enter_context(TritonServer(cpu_repo, log_path=tmp / "tritonserver.log")).grpc_url
+                servers["spec"] = TritonServer(cpu_repo, log_path=tmp / "tritonserver.log")
+            if baseline:
+                servers["ar"] = TritonServer(autoregressive_twin(cpu_repo, twin_dir), log_path=tmp / "tritonserver_ar.log")
+            start_together(stack, servers)
+            url = servers["spec"].grpc_url if url is None else url
             ar = None
             if baseline:
-                twin = autoregressive_twin(cpu_repo, twin_dir)
-                ar_server = servers.enter_context(TritonServer(twin, log_path=tmp / "tritonserver_ar.log"))
-                ar = TritonLLMClient(ar_server.grpc_url)
+                ar = TritonLLMClient(servers["ar"].grpc_url)
                 ar.wait_ready()
             spec = TritonLLMClient(url)
             spec.wait_ready()

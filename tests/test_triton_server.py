@@ -16,6 +16,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from specdeploy import models
+from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import deployment_device, load_decoder
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import package
 from specdeploy.triton.measure import inprocess_speed, served_speed
-from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions
+from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions, start_together
 from tests.triton_raw import StreamClient
 
 pytestmark = pytest.mark.server
@@ -329,10 +331,7 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 def test_serve_command_stops_cleanly_on_signal(tmp_path, signum):
     """The CLI on free ports, stopped by its PID with SIGINT/SIGTERM: exit 0, log written, shm cleaned.
     (A one-model repository: the packaged one is served by the module's server above.)"""
-    repo = tmp_path / "repo"
-    (repo / "echo" / "1").mkdir(parents=True)
-    (repo / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
-    (repo / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    repo = _echo_repo(tmp_path / "repo")
     ports = [str(free_port()) for _ in range(3)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdeploy", "serve", "--build-dir", str(tmp_path / "build"), "--repo", str(repo),
@@ -356,3 +355,30 @@ def test_serve_command_stops_cleanly_on_signal(tmp_path, signum):
     assert "tritonserver stopped" in proc.stdout.read()
     assert "Started GRPCInferenceService" in (tmp_path / "build" / "logs" / "tritonserver.log").read_text()
     assert not shm_regions(f"{SHM_PREFIX}specdeploy_{proc.pid}_")
+
+
+def _echo_repo(root: Path, model_py: str = ECHO_MODEL) -> Path:
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (root / "echo" / "1" / "model.py").write_text(model_py)
+    return root
+
+
+def test_start_together_serves_both_and_stops_both_when_one_fails(tmp_path):
+    """Launched side by side, both answer; when one cannot load, the error names it and the other
+    is stopped too (no orphan tritonserver, no shm left behind)."""
+    good = _echo_repo(tmp_path / "good")
+    broken = _echo_repo(tmp_path / "broken", ECHO_MODEL + "\nraise RuntimeError('this model cannot load')\n")
+    with ExitStack() as stack:
+        servers = start_together(stack, {"a": TritonServer(good), "b": TritonServer(good)})
+        assert all(server.ready() for server in servers.values())
+        pids = [server.pid for server in servers.values()]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    servers = {"good": TritonServer(good), "broken": TritonServer(broken)}
+    with pytest.raises(SpecDeployError, match="tritonserver exited") as err, ExitStack() as stack:
+        start_together(stack, servers)
+    assert "broken" in str(err.value)
+    assert all(server.process is None for server in servers.values())
+    assert not any(shm_regions(server.shm_prefix) for server in servers.values())

@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 
@@ -177,6 +178,16 @@ class TritonServer:
         ]
 
     def start(self) -> "TritonServer":
+        self.launch()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> "TritonServer":
+        """Start the process without waiting for it to be ready (see `start_together`)."""
         if not any(self.repo.glob("*/config.pbtxt")):
             raise SpecDeployError(f"{self.repo} is not a model repository", hint="run `specdeploy package` first")
         self._work = Path(tempfile.mkdtemp(prefix="specdeploy-triton-"))
@@ -190,11 +201,6 @@ class TritonServer:
             env=server_env(threads=self.threads), start_new_session=True,  # its own group: stop() reaches the stubs
             preexec_fn=_die_with_parent,
         )
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def ready(self) -> bool:
@@ -271,6 +277,18 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_together(stack: ExitStack, servers: dict[str, TritonServer]) -> dict[str, TritonServer]:
+    """Launch every server, then wait for each: their model loads overlap. Each stops when `stack`
+    closes, or at once if one fails to come up. Call from the thread that keeps the servers: a
+    server dies with the thread that started it (PR_SET_PDEATHSIG)."""
+    for server in servers.values():
+        stack.callback(server.stop)
+        server.launch()
+    for server in servers.values():
+        server.wait_ready()
+    return servers
 
 
 # ---------------------------------------------------------------------------------------------
