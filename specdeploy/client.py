@@ -25,10 +25,12 @@ from specdeploy.errors import SpecDeployError
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 PERF_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate")
 # What the server does when an HTTP client gives up (tritonserver 2.51, measured): a generate_stream
-# request to tensorrt_llm itself is cancelled (within a round); a non-streaming generate request is not,
-# nor is either through the ensemble (Triton does not pass a cancellation on to the step already running)
+# request to tensorrt_llm or tensorrt_llm_bls is cancelled (within a round); a non-streaming generate
+# request is not, nor is either through the ensemble (Triton does not pass a cancellation on to the step
+# already running)
 HTTP_CANCEL_HINT = ("the server may still finish the request: over HTTP, Triton cancels on a disconnect only "
-                    "generate_stream requests sent to the model itself, not through the ensemble; raise --timeout")
+                    "generate_stream requests, and through the ensemble not even those (use --model "
+                    "tensorrt_llm_bls); raise --timeout")
 _NUMPY_TYPES = {
     "TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64,
     "TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_STRING": np.object_,
@@ -285,7 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text to send (text_input)")
     parser.add_argument("--url", help="server address (default 127.0.0.1:8001 for grpc, :8000 for http)")
     parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
-    parser.add_argument("--model", default="ensemble", help="model to call (default: ensemble)")
+    parser.add_argument("--model", default="ensemble",
+                        help="model to call (default: ensemble; tensorrt_llm_bls, same inputs, is cancelled on timeout or Ctrl-C)")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float)

@@ -149,6 +149,19 @@ def deployment(out: Path) -> dict:
     return json.loads((out / "cpu" / "tensorrt_llm" / "1" / "deployment.json").read_text())
 
 
+def check_cpu_bls(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
+    """The CPU tensorrt_llm_bls answers like the ensemble (same tensors) and runs the ensemble's
+    steps, with tensorrt_llm as the step it watches for cancellations."""
+    bls, ensemble = configs["tensorrt_llm_bls"], configs["ensemble"]
+    assert bls.backend == "python" and bls.model_transaction_policy.decoupled
+    assert tensors(bls) == tensors(ensemble)
+    plan = json.loads((repo / "tensorrt_llm_bls" / "1" / "steps.json").read_text())
+    assert [(s["model"], s["inputs"], s["outputs"]) for s in plan["steps"]] == [
+        (s.model_name, dict(s.input_map), dict(s.output_map)) for s in ensemble.ensemble_scheduling.step]
+    assert plan["generator"] == "tensorrt_llm" and plan["outputs"] == [t.name for t in ensemble.output]
+    assert (repo / "tensorrt_llm_bls" / "1" / "model.py").is_file()
+
+
 # ----------------------------------------------------------------------------------- tests
 
 
@@ -157,8 +170,9 @@ def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make
     build = make(spec)
     out = package.run(build, spec=spec)
     cpu = load_repo(out / "cpu")
-    assert set(cpu) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing"}
+    assert set(cpu) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"}
     check_ensemble_wiring(cpu)
+    check_cpu_bls(out / "cpu", cpu)
     assert cpu["tensorrt_llm"].backend == "python"
     routes = package.gpu_routes(build)
     assert set(routes["routes"]) == ROUTES[spec]

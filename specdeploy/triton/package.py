@@ -4,7 +4,8 @@ Model repositories, side by side, all generated from `triton_repo/` at the proje
 GPU ones only for the routes the build really has (convert_summary.json says which):
 
     triton_repo/cpu/      ensemble + preprocessing + postprocessing + tensorrt_llm (Python backend
-                          running specdeploy's runtime: what `specdeploy serve` serves here)
+                          running specdeploy's runtime: what `specdeploy serve` serves here),
+                          + tensorrt_llm_bls (the ensemble's steps as BLS: cancellable)
     triton_repo/engine/   the engine flow (TensorRT-LLM 0.15-1.3.x, C++ tensorrtllm backend):
                           base, Medusa, draft-target (tensorrt_llm_bls + tensorrt_llm_draft)
     triton_repo/llmapi/   the LLM API (TensorRT-LLM >= 1.2): the llmapi model and its model.yaml
@@ -202,11 +203,32 @@ def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, li
     ibl = TEMPLATES / "inflight_batcher_llm"
     for model in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm"):
         _fill_model(out / model, ibl / model, values)
-    shutil.copytree(TEMPLATES / "cpu" / "tensorrt_llm", out / "tensorrt_llm", dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for model in ("tensorrt_llm", "tensorrt_llm_bls"):
+        shutil.copytree(TEMPLATES / "cpu" / model, out / model, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    write_cpu_bls(out / "tensorrt_llm_bls", (out / "ensemble" / "config.pbtxt").read_text())
     _add_parameters(out / "tensorrt_llm" / "config.pbtxt",
                     {"specdeploy_max_batch_size": max_batch_size, "specdeploy_max_queue": max_queue})
     atomic_write_json(out / "tensorrt_llm" / "1" / DEPLOYMENT_FILE, deployment)
+
+
+def write_cpu_bls(out: Path, ensemble_config: str, generator: str = "tensorrt_llm") -> None:
+    """tensorrt_llm_bls for the CPU repository: the ensemble's inputs and outputs, and its steps in
+    `1/steps.json`, which triton_repo/cpu/tensorrt_llm_bls/1/model.py runs so that a client's
+    cancellation reaches the `generator` step while it runs (through the ensemble it does not)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    ensemble = text_format.Parse(ensemble_config, model_config_pb2.ModelConfig())
+    steps = [{"model": step.model_name, "inputs": dict(step.input_map), "outputs": dict(step.output_map)}
+             for step in ensemble.ensemble_scheduling.step]
+    bls = model_config_pb2.ModelConfig(name=out.name, backend="python", max_batch_size=ensemble.max_batch_size,
+                                       input=ensemble.input, output=ensemble.output)
+    bls.model_transaction_policy.decoupled = True
+    bls.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_CPU)
+    (out / "1").mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.pbtxt", text_format.MessageToString(bls))
+    atomic_write_json(out / "1" / "steps.json", {"steps": steps, "generator": generator,
+                                                 "outputs": [tensor.name for tensor in ensemble.output]})
 
 
 def _add_parameters(config: Path, parameters: dict[str, Any]) -> None:

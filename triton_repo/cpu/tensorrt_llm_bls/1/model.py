@@ -1,0 +1,150 @@
+"""specdeploy tensorrt_llm_bls (CPU repository): the ensemble's steps as business-logic
+scripting, so that a client's cancellation reaches the generation that is running.
+
+Through the ensemble it does not: tritonserver 2.51 checks for a cancellation only between
+ensemble steps, and the tensorrt_llm step lasts the whole generation. This model runs the same
+steps (steps.json, which `specdeploy package` derives from the ensemble's config: the wiring has
+one source) on a thread per request, and one watcher thread asks the clients of the running
+requests whether they cancelled. For a request whose client did, it sends tensorrt_llm
+TensorRT-LLM's `stop` input with the request's id, which ends the sequence within a round and
+frees its KV cache. Inputs and outputs are the ensemble's; a non-streaming request gets one
+response, a streaming one a response per accepted group, then an empty final one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+POLL_S = 0.05  # how often the watcher asks each running request's client whether it cancelled
+STOP_WITH = ("input_ids", "input_lengths", "request_output_len")  # required inputs a stop request repeats
+
+
+class StepError(Exception):
+    """A step answered with an error: its message goes to the client as it is."""
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        plan = json.loads((Path(args["model_repository"]) / args["model_version"] / "steps.json").read_text())
+        self.steps, self.outputs, self.generator = plan["steps"], plan["outputs"], plan["generator"]
+        self.inputs = [entry["name"] for entry in json.loads(args["model_config"])["input"]]
+        self.running: dict[str, tuple] = {}  # inner request id -> (response sender, the stop request's inputs)
+        self.lock = threading.Lock()
+        self.alive = True
+        self.watcher = threading.Thread(target=self._watch, name="specdeploy-bls-cancel", daemon=True)
+        self.watcher.start()
+
+    def execute(self, requests):
+        """Read each request's inputs (they do not outlive execute) and serve it on its own thread."""
+        for request in requests:
+            tensors = {name: tensor.as_numpy() for name in self.inputs
+                       if (tensor := pb_utils.get_input_tensor_by_name(request, name)) is not None}
+            stream = bool(np.asarray(tensors.get("stream", False)).reshape(-1)[0])
+            threading.Thread(target=self._serve, args=(tensors, request.get_response_sender(), stream),
+                             daemon=True).start()
+        return None
+
+    def finalize(self) -> None:
+        self.alive = False
+        self.watcher.join(5)
+
+    # -- one request ---------------------------------------------------------------------------
+    def _serve(self, tensors: dict, sender, stream: bool) -> None:
+        held = None  # non-streaming: the one response, sent with the FINAL flag
+        try:
+            for outputs in self._run(tensors, sender):
+                if stream:
+                    sender.send(_response(outputs))
+                else:
+                    held = outputs
+            sender.send(_response(held) if held else None, flags=FINAL)
+        except StepError as err:
+            self._send_error(sender, str(err))
+        except Exception as err:
+            pb_utils.Logger.log_error(f"specdeploy tensorrt_llm_bls: {traceback.format_exc()}")
+            self._send_error(sender, f"internal error in tensorrt_llm_bls: {type(err).__name__}: {err}")
+
+    def _run(self, tensors: dict, sender):
+        """The ensemble outputs of each response the generating step sends."""
+        names = dict(tensors)  # the ensemble's tensors by name, as its steps fill them
+        index = next(i for i, step in enumerate(self.steps) if step["model"] == self.generator)
+        for step in self.steps[:index]:
+            names.update(_call(step, names))
+        step = self.steps[index]
+        inner_id = f"specdeploy-bls-{uuid.uuid4().hex}"
+        inputs = _inputs(step, names)
+        stop = [tensor for tensor in inputs if tensor.name() in STOP_WITH] + [pb_utils.Tensor("stop", np.array([[True]]))]
+        with self.lock:
+            self.running[inner_id] = (sender, stop)
+        try:
+            request = pb_utils.InferenceRequest(model_name=step["model"], inputs=inputs, request_id=inner_id,
+                                                requested_output_names=list(step["outputs"]))
+            for response in request.exec(decoupled=True):
+                got = _outputs(step, response)
+                if got:
+                    yield self._finish(names, got, index)
+        finally:
+            with self.lock:
+                self.running.pop(inner_id, None)
+
+    def _finish(self, names: dict, got: dict, index: int) -> dict:
+        """The steps after the generating one, on one of its responses."""
+        names = {**names, **got}
+        for step in self.steps[index + 1:]:
+            if any(value in got for value in step["inputs"].values()):
+                names.update(_call(step, names))
+        return {name: names[name] for name in self.outputs if name in names}
+
+    @staticmethod
+    def _send_error(sender, message: str) -> None:
+        try:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        except Exception:  # the client is gone
+            pass
+
+    # -- cancellation --------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while self.alive:
+            time.sleep(POLL_S)
+            with self.lock:
+                running = list(self.running.items())
+            for inner_id, (sender, stop) in running:
+                try:
+                    if sender.is_cancelled():
+                        with self.lock:
+                            if self.running.pop(inner_id, None) is None:
+                                continue
+                        for _ in pb_utils.InferenceRequest(model_name=self.generator, inputs=stop, request_id=inner_id,
+                                                           requested_output_names=["output_ids"]).exec(decoupled=True):
+                            pass
+                except Exception:
+                    pb_utils.Logger.log_error(f"specdeploy tensorrt_llm_bls: {traceback.format_exc()}")
+
+
+def _inputs(step: dict, names: dict) -> list:
+    return [pb_utils.Tensor(key, names[value]) for key, value in step["inputs"].items() if value in names]
+
+
+def _outputs(step: dict, response) -> dict:
+    if response.has_error():
+        raise StepError(response.error().message())
+    return {step["outputs"][t.name()]: t.as_numpy() for t in response.output_tensors() if t.name() in step["outputs"]}
+
+
+def _call(step: dict, names: dict) -> dict:
+    request = pb_utils.InferenceRequest(model_name=step["model"], inputs=_inputs(step, names),
+                                        requested_output_names=list(step["outputs"]))
+    return _outputs(step, request.exec())
+
+
+def _response(outputs: dict):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
