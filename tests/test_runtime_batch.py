@@ -17,7 +17,7 @@ from specdeploy.runtime.batch import BatchRequest, InflightBatcher
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.types import SamplingParams, model_device
+from specdeploy.runtime.types import Proposer, SamplingParams, model_device
 from tests.test_runtime_device import FactoryCalls
 from tests.test_runtime_helpers import PROMPTS, OracleTreeProposer, one_thread, tokenizer  # noqa: F401
 
@@ -229,6 +229,37 @@ def test_a_raising_on_tokens_ends_only_its_sequence(target64, prompts):
     seqs, _, _ = run(batcher, [(0, request) for request in requests])
     assert isinstance(seqs[1].error, ConnectionResetError) and seqs[1].done
     assert seqs[1].result.finish_reason == "cancelled" and seqs[1].result.token_ids == expected[1][:3]
+    assert [seqs[i].result.token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert seqs[0].error is None and seqs[2].error is None
+
+
+class FailsOnPrompt(Proposer):
+    """An EAGLE chain proposer that raises on one request (by its prompt): a drafting failure."""
+
+    def __init__(self, inner, bad_prompt: list[int]) -> None:
+        self.inner, self.bad_prompt = inner, bad_prompt
+        self.kind, self.hidden_layers = inner.kind, inner.hidden_layers
+
+    def fork(self):
+        return FailsOnPrompt(self.inner.fork(), self.bad_prompt)
+
+    def propose(self, state, max_tokens):
+        tokens = state.tokens[0].tolist()
+        if tokens[: len(self.bad_prompt)] == self.bad_prompt and len(tokens) > len(self.bad_prompt) + 4:
+            raise RuntimeError("the draft failed")
+        return self.inner.propose(state, max_tokens)
+
+
+def test_a_failing_proposer_ends_only_its_sequence(target64, prompts):
+    """The batch drafts together; when that raises, it drafts row by row to find whose proposer
+    failed, ends that sequence with the error and goes on with the others."""
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=NEW)) for i in (0, 2, 3)]
+    expected = [solo(target64, request, None) for request in requests]
+    base = FailsOnPrompt(make_proposer("eagle-chain", target64, None), prompts[2])
+    seqs, _, _ = run(InflightBatcher(target64, base.fork, draft_len=4), [(0, request) for request in requests])
+    assert isinstance(seqs[1].error, RuntimeError) and seqs[1].result.finish_reason == "cancelled"
+    assert seqs[1].result.token_ids == expected[1][: len(seqs[1].result.token_ids)]
+    assert 4 <= len(seqs[1].result.token_ids) < NEW
     assert [seqs[i].result.token_ids for i in (0, 2)] == [expected[0], expected[2]]
     assert seqs[0].error is None and seqs[2].error is None
 

@@ -4,7 +4,7 @@ Each `step()` admits waiting requests (each prefilled alone, then joined to the 
 round for every active sequence, and retires the finished ones. A round is one batched target
 forward: every sequence feeds its pending token plus its own draft (a chain, a tree, or nothing),
 padded to the longest, and accepts its own path, exactly as `decoding.speculative_decode` does
-for one request.
+for one request. Proposers draft for the whole batch where they can (`Proposer.propose_batch`).
 
 The KV cache is one transformers DynamicCache for the whole batch, which appends the same number
 of columns to every row. Instead of trimming rows to different lengths, each row keeps a boolean
@@ -316,7 +316,7 @@ class InflightBatcher:
         rows = self._rows
         speculate = self.spec_off_above is None or len(rows) <= self.spec_off_above
         start = time.perf_counter()
-        trees = [self._draft(row, speculate) for row in rows]
+        trees = self._draft(rows, speculate)
         try:
             logits, hidden = self._verify(rows, trees)
         except Exception as err:  # the batch forward failed: the cache is no longer whole
@@ -330,19 +330,30 @@ class InflightBatcher:
                 for i, (row, tree) in enumerate(zip(rows, trees))]
         self._valid = torch.cat([self._valid, torch.tensor(kept, dtype=torch.bool, device=self.device)], dim=1)
 
-    def _draft(self, row: _Row, speculate: bool) -> DraftTree:
-        """This round's draft for one row (empty: a plain step)."""
-        tree = DraftTree.empty(self.device)
-        length = row.controller.next_length() if speculate and row.proposer is not None else 0
-        if length == 0:
-            return tree
+    def _draft(self, rows: list[_Row], speculate: bool) -> list[DraftTree]:
+        """This round's draft for each row (empty: a plain step), proposed together where the
+        proposer can (`Proposer.propose_batch`)."""
+        lengths = [row.controller.next_length() if speculate and row.proposer is not None else 0 for row in rows]
+        drafting = [row for row, length in zip(rows, lengths) if length]
+        trees = {row: DraftTree.empty(self.device) for row in rows}
+        if drafting:
+            asks = [length if row.chain else row.max_draft for row, length in zip(rows, lengths) if length]
+            try:
+                drafts = drafting[0].proposer.propose_batch([row.proposer for row in drafting],
+                                                            [row.state() for row in drafting], asks)
+            except Exception:  # one row's proposer failed: draft row by row to find whose
+                drafts = [self._propose_alone(row, n) for row, n in zip(drafting, asks)]
+            for row, tree in zip(drafting, drafts):
+                row.unseen = {}
+                trees[row] = prune(tree, row.max_draft, row.max_new - len(row.output.tokens) - 1)
+        return [trees[row] for row in rows]
+
+    def _propose_alone(self, row: _Row, max_tokens: int) -> DraftTree:
         try:
-            tree = row.proposer.propose(row.state(), length if row.chain else row.max_draft)
+            return row.proposer.propose(row.state(), max_tokens)
         except Exception as err:  # its proposer's failure: the row rides along padded, then leaves
             self._finish(row, "cancelled", err)
             return DraftTree.empty(self.device)
-        row.unseen = {}
-        return prune(tree, row.max_draft, row.max_new - len(row.output.tokens) - 1)
 
     def _verify(self, rows: list[_Row], trees: list[DraftTree]) -> tuple[torch.Tensor, Hidden]:
         """One target forward over every row's [pending] + draft, padded to the longest: logits

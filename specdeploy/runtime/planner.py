@@ -16,7 +16,8 @@ against plain decoding's 1 / step_s. Both come from one greedy calibration on he
   that measured otherwise (few rounds each: noise).
 
 Under load the balance moves: an in-flight batch verifies every row in one forward, whose cost
-grows slowly with the batch, but drafts row by row. `measure_load_curve` runs batches of 1..n
+grows slowly with the batch, while most proposers draft row by row (EAGLE drafts the batch
+together, at a cost that still grows with it). `measure_load_curve` runs batches of 1..n
 requests with speculative and plain rounds interleaved on the same sequences, and `spec_off_above`
 is the largest batch up to which speculating paid (Arctic's disable_by_batch_size).
 """

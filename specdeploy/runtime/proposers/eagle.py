@@ -10,19 +10,24 @@ module's own KV cache), then drafts autoregressively from its own output feature
            probability), then keep the `max_tokens` most likely nodes overall.
 
 Every depth is one small forward over that depth's expanded nodes with a tree mask over the
-module's cache; draft entries are cropped from the cache before returning.
+module's cache; draft entries are cropped from the cache before returning. An in-flight batch
+drafts together (`propose_batch`): one forward ingests every request's new positions (rows padded
+and masked, each request keeping its own cache), chains then go depth by depth for the whole
+batch; trees expand request by request.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from specdeploy.choices import DEFAULT_TREE_10, ChoicesTree, validate_choices
 from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.kv_cache import cache_layers
 from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, TargetState, model_device
 
 MODES = ("chain", "static", "dynamic")
@@ -59,6 +64,7 @@ class EagleProposer(Proposer):
         d2t = getattr(module, "d2t", None)
         # draft -> target id offsets, read once (an element read per drafted token would sync a GPU)
         self.d2t = None if d2t is None else d2t.tolist()
+        self._d2t = d2t
         self.dtype = next(module.parameters()).dtype
         self.device = next(module.parameters()).device
         module._maybe_init_rope(device=self.device)
@@ -88,15 +94,21 @@ class EagleProposer(Proposer):
         self.fed_until = 0  # the next real position to feed
 
     # ------------------------------------------------------------------ module calls
-    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
-        """One module forward over q inputs; `allowed` (q, cache + q) bool is the attention mask."""
+    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+             cache: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One module forward over (rows, q) inputs; `allowed` (rows, q, cache + q) bool is the
+        attention mask. The module's output features (its drafts' logits come from `_logp`) and
+        its input-side features (its children's input)."""
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)
         post, pre, _ = self.module(
-            hidden[None].to(self.dtype), self.embed(tokens[None]).to(self.dtype), attention_mask=mask[None, None],
-            position_ids=positions[None], past_key_values=self.cache, use_cache=True,
+            hidden.to(self.dtype), self.embed(tokens).to(self.dtype), attention_mask=mask[:, None],
+            position_ids=positions, past_key_values=self.cache if cache is None else cache, use_cache=True,
         )
-        return torch.log_softmax(self.lm_head(post)[0].float(), dim=-1), pre[0]
+        return post, pre
+
+    def _logp(self, post: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.lm_head(post).float(), dim=-1)
 
     @property
     def lm_head(self) -> Any:
@@ -105,22 +117,8 @@ class EagleProposer(Proposer):
 
     def _ingest(self, state: TargetState) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Feed the newly consumed positions; the draft log-probs/feature after the pending token."""
-        tokens = state.tokens[0]
-        consumed = len(tokens) - 1
-        aux = torch.cat([state.hidden[layer][0].to(self.device) for layer in self.hidden_layers], dim=-1)
-        n_new = min(aux.shape[0], consumed)
-        if n_new > consumed - self.fed_until:  # a new request, or states we have already seen
-            self.reset()
-        self.cache.crop(self.cache_len)
-        start = consumed - n_new  # positions before it that we never saw stay out of the cache (gap)
-        fused = self.module.fc(aux[-n_new:].to(self.dtype))
-        allowed = torch.ones(n_new, self.cache_len + n_new, dtype=torch.bool, device=self.device)
-        allowed[:, self.cache_len:] = torch.tril(allowed[:, self.cache_len:])
-        positions = torch.arange(start, consumed, device=self.device)
-        logp, pre = self._run(fused, tokens[start + 1: consumed + 1].to(self.device), positions, allowed)
-        self.cache_len += n_new
-        self.fed_until = consumed
-        return logp[-1], pre[-1], consumed
+        batch = _ingest_many([self], [state])
+        return batch.logp[0], batch.h[0], batch.base[0]
 
     def _expand(self, nodes: list[_Node], ids: list[int], root_h: torch.Tensor, base_pos: int) -> None:
         """Run the module on nodes `ids` (their parents already expanded) and store their outputs."""
@@ -140,12 +138,17 @@ class EagleProposer(Proposer):
         hidden = torch.stack([root_h if nodes[i].parent < 0 else nodes[nodes[i].parent].h for i in ids])
         tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in ids], device=self.device)
         positions = torch.tensor([base_pos + nodes[i].depth - 1 for i in ids], device=self.device)
-        logp, pre = self._run(hidden, tokens, positions, torch.tensor(rows, dtype=torch.bool, device=self.device))
+        post, pre = self._run(hidden[None], tokens[None], positions[None],
+                              torch.tensor(rows, dtype=torch.bool, device=self.device)[None])
+        logp, pre = self._logp(post[0]), pre[0]
         for row, i in enumerate(ids):
             nodes[i].col, nodes[i].h, nodes[i].logp = cache_now + row, pre[row], logp[row]
 
     def _target_id(self, draft_id: int) -> int:
         return draft_id + self.d2t[draft_id] if self.d2t is not None else draft_id
+
+    def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self._d2t.to(draft_ids.device)[draft_ids] if self._d2t is not None else draft_ids
 
     @staticmethod
     def _add_children(nodes: list[_Node], parent: int, logp: torch.Tensor, k: int) -> list[int]:
@@ -162,28 +165,41 @@ class EagleProposer(Proposer):
     # ------------------------------------------------------------------ tree shapes
     @torch.no_grad()
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
-        if max_tokens <= 0 or not all(layer in state.hidden for layer in self.hidden_layers):
-            return DraftTree.empty(state.tokens.device)
-        root_logp, root_h, base_pos = self._ingest(state)
+        return self.propose_batch([self], [state], [max_tokens])[0]
+
+    @staticmethod
+    @torch.no_grad()
+    def propose_batch(proposers: list[Proposer], states: list[TargetState], max_tokens: list[int]) -> list[DraftTree]:
+        """Every request's new positions go through the module in one forward, chains draft
+        together (one forward per depth for all of them); trees expand request by request."""
+        trees = [DraftTree.empty(state.tokens.device) for state in states]
+        rows = [i for i, (p, state, n) in enumerate(zip(proposers, states, max_tokens))
+                if n > 0 and all(layer in state.hidden for layer in p.hidden_layers)]
+        if not rows:
+            return trees
+        if any(proposers[i].module is not proposers[rows[0]].module for i in rows):
+            return Proposer.propose_batch(proposers, states, max_tokens)  # not forks of one proposer
+        batch = _ingest_many([proposers[i] for i in rows], [states[i] for i in rows])
+        chains = [r for r, i in enumerate(rows) if proposers[i].mode == "chain"]
+        if chains:
+            lengths = [min(max_tokens[rows[r]], proposers[rows[r]].chain_len) for r in chains]
+            for r, tree in zip(chains, _chains(proposers[rows[0]], batch, chains, lengths)):
+                trees[rows[r]] = tree
+        for r, i in enumerate(rows):
+            if proposers[i].mode != "chain":
+                trees[i] = proposers[i]._tree_from(batch.logp[r], batch.h[r], batch.base[r], max_tokens[i])
+        return trees
+
+    def _tree_from(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, max_tokens: int) -> DraftTree:
+        """A static or dynamic tree from the ingested root, drafted on this request's own cache."""
         try:
-            if self.mode == "chain":
-                nodes, keep = self._chain(root_logp, root_h, base_pos, min(max_tokens, self.chain_len))
-            elif self.mode == "static":
-                nodes, keep = self._static(root_logp, root_h, base_pos, max_tokens)
+            if self.mode == "static":
+                nodes, keep = self._static(logp, h, base_pos, max_tokens)
             else:
-                nodes, keep = self._dynamic(root_logp, root_h, base_pos, min(max_tokens, self.budget))
+                nodes, keep = self._dynamic(logp, h, base_pos, min(max_tokens, self.budget))
         finally:
             self.cache.crop(self.cache_len)  # draft entries never outlive the round
         return self._tree(nodes, keep)
-
-    def _chain(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, k: int):
-        nodes: list[_Node] = []
-        parent = -1
-        for step in range(k):
-            (parent,) = self._add_children(nodes, parent, logp if parent < 0 else nodes[parent].logp, 1)
-            if step < k - 1:
-                self._expand(nodes, [parent], h, base_pos)
-        return nodes, list(range(len(nodes)))
 
     def _static(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, max_tokens: int):
         paths = self.choices.paths[:max_tokens]
@@ -234,6 +250,131 @@ class EagleProposer(Proposer):
         tokens = torch.tensor([self._target_id(nodes[i].draft_id) for i in keep], dtype=torch.long, device=self.device)
         parents = [-1 if nodes[i].parent < 0 else new_index[nodes[i].parent] for i in keep]
         return DraftTree(tokens=tokens, parents=parents)
+
+
+@dataclass
+class _Batch:
+    """Requests' module state after ingesting, stacked: the cache of them all (rows padded to
+    the longest, `valid` marks each row's own columns), each root's draft log-probs and feature
+    (what follows the pending token) and the position of its pending token."""
+
+    cache: Any
+    valid: torch.Tensor  # (rows, columns) bool
+    logp: torch.Tensor  # (rows, draft vocab)
+    h: torch.Tensor  # (rows, hidden)
+    base: list[int]
+
+
+class _Feed(NamedTuple):
+    """One request's new positions: target features (n, 3 * hidden), the tokens that followed
+    them, and the span [start, consumed) they hold."""
+
+    aux: torch.Tensor
+    tokens: torch.Tensor
+    start: int
+    consumed: int
+
+
+def _feed(p: EagleProposer, state: TargetState) -> _Feed:
+    tokens = state.tokens[0]
+    consumed = len(tokens) - 1
+    aux = torch.cat([state.hidden[layer][0].to(p.device) for layer in p.hidden_layers], dim=-1)
+    n_new = min(aux.shape[0], consumed)
+    if n_new > consumed - p.fed_until:  # a new request, or states we have already seen
+        p.reset()
+    p.cache.crop(p.cache_len)
+    start = consumed - n_new  # positions before it that we never saw stay out of the cache (gap)
+    return _Feed(aux[-n_new:], tokens[start + 1: consumed + 1].to(p.device), start, consumed)
+
+
+def _ingest_many(proposers: list[EagleProposer], states: list[TargetState]) -> _Batch:
+    """Feed each request the positions its target consumed since it last proposed, all in one
+    module forward; each request's own cache keeps its real positions (padding never does)."""
+    lead, device = proposers[0], proposers[0].device
+    feeds = [_feed(p, state) for p, state in zip(proposers, states)]
+    q = max(len(feed.tokens) for feed in feeds)
+    cache, valid = _stacked_caches(proposers)
+    lengths = torch.tensor([len(feed.tokens) for feed in feeds], device=device)
+    new = torch.arange(q, device=device)
+    # causal over each row's own new positions; padding queries see only themselves
+    block = (new[None, :, None] >= new[None, None, :]) & (new[None, None, :] < lengths[:, None, None])
+    block = block | torch.eye(q, dtype=torch.bool, device=device)
+    allowed = torch.cat([valid[:, None, :].expand(-1, q, -1), block], dim=2)
+    aux = torch.stack([F.pad(feed.aux, (0, 0, 0, q - len(feed.tokens))) for feed in feeds])
+    tokens = torch.stack([F.pad(feed.tokens, (0, q - len(feed.tokens))) for feed in feeds])
+    positions = torch.stack([F.pad(torch.arange(feed.start, feed.consumed, device=device),
+                                   (0, q - len(feed.tokens)), value=feed.consumed) for feed in feeds])
+    post, pre = lead._run(lead.module.fc(aux.to(lead.dtype)), tokens, positions, allowed, cache)
+    _keep_own_columns(proposers, feeds, cache, valid.shape[1])
+    last, every = lengths - 1, torch.arange(len(feeds), device=device)
+    valid = torch.cat([valid, block[every, last]], dim=1)
+    return _Batch(cache, valid, lead._logp(post[every, last]), pre[every, last], [feed.consumed for feed in feeds])
+
+
+def _stacked_caches(proposers: list[EagleProposer]) -> tuple[Any, torch.Tensor]:
+    """The requests' module caches as rows of one, padded to the longest; which columns are real."""
+    from transformers import DynamicCache
+
+    device, past = proposers[0].device, max(p.cache_len for p in proposers)
+    cache = DynamicCache(config=proposers[0].module.config)
+    template = next((cache_layers(p.cache) for p in proposers if p.cache_len), [])
+    for index, layer in enumerate(template):  # none when no request has a past yet
+        rows = [cache_layers(p.cache)[index] if p.cache_len else None for p in proposers]
+        keys = [_padded(row.keys if row else layer.keys[..., :0, :], past) for row in rows]
+        values = [_padded(row.values if row else layer.values[..., :0, :], past) for row in rows]
+        cache.update(torch.cat(keys), torch.cat(values), index)
+    lengths = torch.tensor([p.cache_len for p in proposers], device=device)
+    return cache, torch.arange(past, device=device)[None] < lengths[:, None]
+
+
+def _keep_own_columns(proposers: list[EagleProposer], feeds: list[_Feed], cache: Any, past: int) -> None:
+    """Each request's cache becomes its past plus its new positions, taken from the batch's."""
+    from transformers import DynamicCache
+
+    for row, (p, feed) in enumerate(zip(proposers, feeds)):
+        own = torch.cat([torch.arange(p.cache_len, device=p.device),
+                         torch.arange(past, past + len(feed.tokens), device=p.device)])
+        p.cache = DynamicCache(config=p.module.config)
+        for index, layer in enumerate(cache_layers(cache)):
+            p.cache.update(layer.keys[row: row + 1, :, own], layer.values[row: row + 1, :, own], index)
+        p.cache_len += len(feed.tokens)
+        p.fed_until = feed.consumed
+
+
+def _chains(lead: EagleProposer, batch: _Batch, rows: list[int], lengths: list[int]) -> list[DraftTree]:
+    """Greedy top-1 chains for batch rows `rows`, one module forward per depth for them all (rows
+    wanting fewer tokens draft along and are cut: a row's draft never depends on the others)."""
+    index = torch.tensor(rows, device=lead.device)
+    logp, h, valid = batch.logp[index], batch.h[index], batch.valid[index]
+    cache = batch.cache
+    if len(rows) < len(batch.base):
+        cache = _select_rows(cache, index, lead.module.config)
+    base = torch.tensor([batch.base[r] for r in rows], device=lead.device)
+    own = torch.ones(len(rows), 1, dtype=torch.bool, device=lead.device)
+    drafted = []
+    for depth in range(1, max(lengths) + 1):
+        drafted.append(logp.topk(1).indices[:, 0])
+        if depth == max(lengths):
+            break
+        allowed = torch.cat([valid, own], dim=1)[:, None]
+        post, pre = lead._run(h[:, None], lead._target_ids(drafted[-1])[:, None], (base + depth - 1)[:, None],
+                              allowed, cache)
+        logp, h, valid = lead._logp(post[:, 0]), pre[:, 0], torch.cat([valid, own], dim=1)
+    tokens = lead._target_ids(torch.stack(drafted, dim=1))
+    return [DraftTree.chain(tokens[r, :n]) for r, n in enumerate(lengths)]
+
+
+def _padded(kv: torch.Tensor, columns: int) -> torch.Tensor:
+    return F.pad(kv, (0, 0, 0, columns - kv.shape[-2]))
+
+
+def _select_rows(cache: Any, index: torch.Tensor, config: Any) -> Any:
+    from transformers import DynamicCache
+
+    chosen = DynamicCache(config=config)
+    for i, layer in enumerate(cache_layers(cache)):
+        chosen.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), i)
+    return chosen
 
 
 def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: int | None, seed: int):
