@@ -193,6 +193,22 @@ def test_load_curve_interleaves_speculative_and_plain_rounds(target):
         assert p.spec_s > 0 and p.plain_s > 0
 
 
+def test_load_curve_times_rounds_after_a_plain_warmup(target):
+    """Acceptance is highest at an answer's start: the timed rounds come after `warmup` plain ones."""
+    perfect = build_proposer("draft", target, draft_model=target)
+    made = []
+
+    def make(size):
+        made.append(batcher_of(target, perfect, 3)(size))
+        return made[-1]
+
+    (point,) = measure_load_curve(make, [[5, 17, 33, 90]], [1], rounds=4, max_draft=3, warmup=6)
+    (batcher,) = made
+    assert batcher.stats.rounds == 1 + 6 + 8  # the admitting round, the warm-up, 4 + 4 timed
+    assert batcher.stats.draft_tokens == 4 * 3  # only the 4 timed speculative rounds drafted
+    assert (point.plain_tokens, point.spec_tokens) == (4, 16)
+
+
 def test_load_curve_of_a_draft_too_slow_to_pay_turns_speculation_off(target):
     slow = _SlowDraft(build_proposer("draft", target, draft_model=target), 0.05)
     points = measure_load_curve(batcher_of(target, slow, 2), [[5, 17, 33, 90]], [1, 2], rounds=2, max_draft=2)
