@@ -135,45 +135,79 @@ def test_eagle_tree_nodes_match_path_by_path(target):
         torch.testing.assert_close(chain[-1].logp, node.logp, atol=1e-4, rtol=1e-4)
 
 
-BATCH_CASES = [{"mode": "chain", "chain_len": 3}, {"mode": "dynamic", "depth": 3, "draft_vocab": 96},
+BATCH_CASES = [{"mode": "chain", "chain_len": 3}, {"mode": "dynamic", "depth": 5, "draft_vocab": 96},
                {"mode": "static", "choices": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}]
 
 
 @pytest.mark.parametrize("options", BATCH_CASES, ids=[case["mode"] for case in BATCH_CASES])
-def test_eagle_batched_drafts_equal_solo_drafts(tiny_llama_dir, options):
+def test_eagle_batched_drafts_equal_solo_drafts(tiny_llama_dir, options, monkeypatch):
     """In-flight batching drafts every request's EAGLE rounds in shared module forwards (ragged new
-    positions, a request sitting a round out): each draft equals the one its request drafts
-    alone (float64, so padding cannot round a near-tie apart), in fewer module calls."""
+    positions, a request sitting a round out, dynamic trees stopping at different depths): each
+    draft equals the one its request drafts alone (float64, so padding cannot round a near-tie
+    apart), in fewer module calls."""
     from transformers import AutoModelForCausalLM
+
+    from specdeploy.runtime.proposers.eagle import EagleProposer
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float64).eval()
     base = build_proposer("eagle", target, **options)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a fresh module's attention adds nothing (zero-initialized output): make it matter
+        for weight in base.module.parameters():
+            weight.normal_(0.0, 0.3)
     full = [torch.tensor([p + generate(target, p, SamplingParams(max_new_tokens=12)).token_ids]) for p in PROMPTS]
     with torch.no_grad():
         hidden = [target(tokens[:, :-1], output_hidden_states=True).hidden_states for tokens in full]
     solo, batched = [base.fork() for _ in PROMPTS], [base.fork() for _ in PROMPTS]
+    trees_nodes = []  # every tree's nodes: the module outputs behind the drafts, compared too
+    tree_of = EagleProposer._tree
+    monkeypatch.setattr(EagleProposer, "_tree",
+                        lambda self, nodes, keep: trees_nodes.append(nodes) or tree_of(self, nodes, keep))
     calls = []
     forward = base.module.forward
     base.module.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     consumed, fed = [len(p) for p in PROMPTS], [0] * len(PROMPTS)
     # per round: tokens each request accepted since the last, and the draft sizes asked (0: sits out)
     for advance, asks in [([0, 0, 0], [6, 6, 6]), ([1, 3, 2], [6, 6, 6]), ([2, 1, 4], [6, 0, 6]),
-                          ([1, 2, 1], [6, 6, 6])]:
+                          ([1, 2, 1], [2, 6, 3])]:
         consumed = [c + a for c, a in zip(consumed, advance)]
         states = [TargetState(tokens=tokens[:, : c + 1], hidden={layer: h[layer][:, f:c] for layer in base.hidden_layers})
                   for tokens, h, c, f in zip(full, hidden, consumed, fed)]
         calls.clear()
-        alone = [p.propose(state, n) for p, state, n in zip(solo, states, asks)]
+        alone = [_alone(p, state, n) for p, state, n in zip(solo, states, asks)]
         alone_calls = len(calls)
+        alone_nodes, trees_nodes[:] = list(trees_nodes), []
         calls.clear()
         together = base.propose_batch(batched, states, asks)
         assert [(t.tokens.tolist(), t.parents) for t in together] == [(t.tokens.tolist(), t.parents) for t in alone]
+        assert len(trees_nodes) == len(alone_nodes)
+        for mine, theirs in zip(trees_nodes, alone_nodes):
+            for a, b in zip(mine, theirs):
+                assert (a.logp is None) == (b.logp is None)
+                if a.logp is not None:
+                    torch.testing.assert_close(a.logp, b.logp, rtol=0, atol=1e-9)
+        trees_nodes.clear()
         assert sum(len(t) for t in together) > 0
         if options["mode"] == "chain":
             assert len(calls) == options["chain_len"], "one forward to ingest, one per further depth"
+        elif options["mode"] == "dynamic":  # one forward to ingest, at most one per further depth
+            assert 2 <= len(calls) <= options["depth"] < alone_calls
         else:
             assert len(calls) == alone_calls - (sum(1 for n in asks if n) - 1), "one ingest forward for all"
         fed = [c if n else f for c, f, n in zip(consumed, fed, asks)]
+
+
+def _alone(proposer, state, max_tokens):
+    """One request's draft; a dynamic tree grown node by node on its own cache (`_expand`), the
+    path the batched one must agree with."""
+    if proposer.mode != "dynamic" or max_tokens == 0:
+        return proposer.propose(state, max_tokens)
+    logp, h, pos = proposer._ingest(state)
+    try:
+        nodes, keep = proposer._dynamic(logp, h, pos, min(max_tokens, proposer.budget))
+    finally:
+        proposer.cache.crop(proposer.cache_len)
+    return proposer._tree(nodes, keep)
 
 
 def test_static_tree_first_path_is_the_chain(target):

@@ -13,7 +13,8 @@ Every depth is one small forward over that depth's expanded nodes with a tree ma
 module's cache; draft entries are cropped from the cache before returning. An in-flight batch
 drafts together (`propose_batch`): one forward ingests every request's new positions (rows padded
 and masked, each request keeping its own cache), chains then go depth by depth for the whole
-batch; trees expand request by request.
+batch; dynamic trees grow together too (each depth's expansions of every request in one forward);
+static trees expand request by request.
 """
 
 from __future__ import annotations
@@ -170,8 +171,9 @@ class EagleProposer(Proposer):
     @staticmethod
     @torch.no_grad()
     def propose_batch(proposers: list[Proposer], states: list[TargetState], max_tokens: list[int]) -> list[DraftTree]:
-        """Every request's new positions go through the module in one forward, chains draft
-        together (one forward per depth for all of them); trees expand request by request."""
+        """Every request's new positions go through the module in one forward; chains and dynamic
+        trees then draft together (one forward per depth for all of them); static trees expand
+        request by request."""
         trees = [DraftTree.empty(state.tokens.device) for state in states]
         rows = [i for i, (p, state, n) in enumerate(zip(proposers, states, max_tokens))
                 if n > 0 and all(layer in state.hidden for layer in p.hidden_layers)]
@@ -185,18 +187,20 @@ class EagleProposer(Proposer):
             lengths = [min(max_tokens[rows[r]], proposers[rows[r]].chain_len) for r in chains]
             for r, tree in zip(chains, _chains(proposers[rows[0]], batch, chains, lengths)):
                 trees[rows[r]] = tree
+        dynamic = [r for r, i in enumerate(rows) if proposers[i].mode == "dynamic"]
+        if dynamic:
+            sizes = [min(max_tokens[rows[r]], proposers[rows[r]].budget) for r in dynamic]
+            for r, tree in zip(dynamic, _dynamic_trees([proposers[rows[r]] for r in dynamic], batch, dynamic, sizes)):
+                trees[rows[r]] = tree
         for r, i in enumerate(rows):
-            if proposers[i].mode != "chain":
+            if proposers[i].mode == "static":
                 trees[i] = proposers[i]._tree_from(batch.logp[r], batch.h[r], batch.base[r], max_tokens[i])
         return trees
 
     def _tree_from(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, max_tokens: int) -> DraftTree:
-        """A static or dynamic tree from the ingested root, drafted on this request's own cache."""
+        """A static tree from the ingested root, drafted on this request's own cache."""
         try:
-            if self.mode == "static":
-                nodes, keep = self._static(logp, h, base_pos, max_tokens)
-            else:
-                nodes, keep = self._dynamic(logp, h, base_pos, min(max_tokens, self.budget))
+            nodes, keep = self._static(logp, h, base_pos, max_tokens)
         finally:
             self.cache.crop(self.cache_len)  # draft entries never outlive the round
         return self._tree(nodes, keep)
@@ -224,6 +228,19 @@ class EagleProposer(Proposer):
         return nodes, list(range(len(nodes)))
 
     def _dynamic(self, logp: torch.Tensor, h: torch.Tensor, base_pos: int, max_tokens: int):
+        """One request's dynamic tree grown node by node on its own cache: the reference that
+        `_dynamic_trees` (what `propose` runs) is tested against."""
+        steps = self._dynamic_steps(logp, max_tokens)
+        while True:
+            try:
+                nodes, best = next(steps)
+            except StopIteration as done:
+                return done.value
+            self._expand(nodes, best, h, base_pos)
+
+    def _dynamic_steps(self, logp: torch.Tensor, max_tokens: int):
+        """EAGLE-2's dynamic tree as a generator: at each depth it yields the nodes and the ids the
+        caller must expand (run the module on), and it returns (nodes, kept ids)."""
         nodes: list[_Node] = []
         level = self._add_children(nodes, -1, logp, min(self.topk, max_tokens))
         for _ in range(1, self.depth):
@@ -232,7 +249,7 @@ class EagleProposer(Proposer):
                 # a descendant scores no higher than its ancestor and ranks after shallower ties:
                 # none could enter the kept set, so the rest of the depth calls would change nothing
                 break
-            self._expand(nodes, best, h, base_pos)
+            yield nodes, best
             level = [c for i in best for c in self._add_children(nodes, i, nodes[i].logp, self.topk)]
         # the most likely nodes overall; a child never outscores its parent, so parents come first
         keep: list[int] = []
@@ -362,6 +379,73 @@ def _chains(lead: EagleProposer, batch: _Batch, rows: list[int], lengths: list[i
         logp, h, valid = lead._logp(post[:, 0]), pre[:, 0], torch.cat([valid, own], dim=1)
     tokens = lead._target_ids(torch.stack(drafted, dim=1))
     return [DraftTree.chain(tokens[r, :n]) for r, n in enumerate(lengths)]
+
+
+def _dynamic_trees(proposers: list[EagleProposer], batch: _Batch, rows: list[int], sizes: list[int]) -> list[DraftTree]:
+    """EAGLE-2 dynamic trees for batch rows `rows`: each request's tree grows as it would alone
+    (`_dynamic_steps`), and each depth's expansions of all of them run in one module forward
+    (a request that stopped early, or expands fewer nodes, rides along as padding)."""
+    lead, device = proposers[0], proposers[0].device
+    index = torch.tensor(rows, device=device)
+    cache = batch.cache if len(rows) == len(batch.base) else _select_rows(batch.cache, index, lead.module.config)
+    valid, roots = batch.valid[index], batch.h[index]
+    steps = [p._dynamic_steps(batch.logp[r], n) for p, r, n in zip(proposers, rows, sizes)]
+    expanding: list[tuple[list[_Node], list[int]] | None] = [None] * len(rows)
+    done: list[tuple[list[_Node], list[int]] | None] = [None] * len(rows)
+
+    def advance(k: int) -> None:
+        try:
+            expanding[k] = next(steps[k])
+        except StopIteration as finished:
+            expanding[k], done[k] = None, finished.value
+
+    for k in range(len(rows)):
+        advance(k)
+    while any(expanding):
+        columns = valid.shape[1]
+        _expand_together(lead, expanding, roots, [batch.base[r] for r in rows], valid, cache)
+        valid = F.pad(valid, (0, cache.get_seq_length() - columns))  # draft columns are nobody's past
+        for k, step in enumerate(expanding):
+            if step is not None:
+                advance(k)
+    return [p._tree(*result) for p, result in zip(proposers, done)]
+
+
+def _expand_together(lead: EagleProposer, expanding: list, roots: torch.Tensor, bases: list[int], valid: torch.Tensor,
+                     cache: Any) -> None:
+    """One module forward over every row's nodes to expand (rows padded to the most); each node
+    sees its row's past, its ancestors and itself, and gets its cache column, feature and log-probs."""
+    device, columns = lead.device, valid.shape[1]
+    q = max(len(step[1]) for step in expanding if step is not None)
+    hidden = torch.zeros(len(expanding), q, roots.shape[-1], dtype=roots.dtype, device=device)
+    tokens = [[0] * q for _ in expanding]
+    positions = [[base] * q for base in bases]
+    allowed = torch.cat([valid[:, None, :].expand(-1, q, -1), torch.eye(q, dtype=torch.bool, device=device)
+                         .expand(len(expanding), -1, -1)], dim=2)
+    seen = []  # (row, query, column) of each ancestor a node attends to
+    for k, step in enumerate(expanding):
+        if step is None:
+            continue
+        nodes, ids = step
+        for j, i in enumerate(ids):
+            parent = nodes[i].parent
+            hidden[k, j] = roots[k] if parent < 0 else nodes[parent].h
+            tokens[k][j] = lead._target_id(nodes[i].draft_id)
+            positions[k][j] = bases[k] + nodes[i].depth - 1
+            while parent >= 0:
+                seen.append((k, j, nodes[parent].col))
+                parent = nodes[parent].parent
+    if seen:
+        allowed[tuple(torch.tensor(seen, device=device).T)] = True
+    post, pre = lead._run(hidden, torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                          allowed, cache)
+    logp = lead._logp(post)
+    for k, step in enumerate(expanding):
+        if step is None:
+            continue
+        nodes, ids = step
+        for j, i in enumerate(ids):
+            nodes[i].col, nodes[i].h, nodes[i].logp = columns + j, pre[k, j], logp[k, j]
 
 
 def _padded(kv: torch.Tensor, columns: int) -> torch.Tensor:
