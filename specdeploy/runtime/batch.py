@@ -335,9 +335,9 @@ class InflightBatcher:
         proposer can (`Proposer.propose_batch`)."""
         lengths = [row.controller.next_length() if speculate and row.proposer is not None else 0 for row in rows]
         drafting = [row for row, length in zip(rows, lengths) if length]
+        asks = [length if row.chain else row.max_draft for row, length in zip(rows, lengths) if length]
         trees = {row: DraftTree.empty(self.device) for row in rows}
         if drafting:
-            asks = [length if row.chain else row.max_draft for row, length in zip(rows, lengths) if length]
             try:
                 drafts = drafting[0].proposer.propose_batch([row.proposer for row in drafting],
                                                             [row.state() for row in drafting], asks)

@@ -138,8 +138,7 @@ class _Rotation(Proposer):
 
 def calibrate(
     target: Any, proposer: Proposer, prompts: list[list[int]], shapes: list[DraftShape], *,
-    max_new_tokens: int = CALIBRATION_TOKENS,
-    min_rounds: int = 12, passes: int = 4,
+    max_new_tokens: int = CALIBRATION_TOKENS, min_rounds: int = 12, passes: int = 4,
 ) -> Calibration:
     """Greedy generation on `prompts`, the rounds cycling through `shapes`, each prompt then
     plainly; the prompts again (up to `passes` times) until every shape has `min_rounds` timed rounds."""

@@ -281,6 +281,14 @@ class _Batch:
     h: torch.Tensor  # (rows, hidden)
     base: list[int]
 
+    def take(self, rows: list[int], config: Any) -> "_Batch":
+        """Rows `rows` alone (the cache itself when that is every row: its owner drafts on it)."""
+        if rows == list(range(len(self.base))):
+            return self
+        index = torch.tensor(rows, device=self.valid.device)
+        return _Batch(_select_rows(self.cache, index, config), self.valid[index], self.logp[index], self.h[index],
+                      [self.base[r] for r in rows])
+
 
 class _Feed(NamedTuple):
     """One request's new positions: target features (n, 3 * hidden), the tokens that followed
@@ -361,12 +369,9 @@ def _keep_own_columns(proposers: list[EagleProposer], feeds: list[_Feed], cache:
 def _chains(lead: EagleProposer, batch: _Batch, rows: list[int], lengths: list[int]) -> list[DraftTree]:
     """Greedy top-1 chains for batch rows `rows`, one module forward per depth for them all (rows
     wanting fewer tokens draft along and are cut: a row's draft never depends on the others)."""
-    index = torch.tensor(rows, device=lead.device)
-    logp, h, valid = batch.logp[index], batch.h[index], batch.valid[index]
-    cache = batch.cache
-    if len(rows) < len(batch.base):
-        cache = _select_rows(cache, index, lead.module.config)
-    base = torch.tensor([batch.base[r] for r in rows], device=lead.device)
+    batch = batch.take(rows, lead.module.config)
+    logp, h, valid, cache = batch.logp, batch.h, batch.valid, batch.cache
+    base = torch.tensor(batch.base, device=lead.device)
     own = torch.ones(len(rows), 1, dtype=torch.bool, device=lead.device)
     drafted = []
     for depth in range(1, max(lengths) + 1):
@@ -385,11 +390,10 @@ def _dynamic_trees(proposers: list[EagleProposer], batch: _Batch, rows: list[int
     """EAGLE-2 dynamic trees for batch rows `rows`: each request's tree grows as it would alone
     (`_dynamic_steps`), and each depth's expansions of all of them run in one module forward
     (a request that stopped early, or expands fewer nodes, rides along as padding)."""
-    lead, device = proposers[0], proposers[0].device
-    index = torch.tensor(rows, device=device)
-    cache = batch.cache if len(rows) == len(batch.base) else _select_rows(batch.cache, index, lead.module.config)
-    valid, roots = batch.valid[index], batch.h[index]
-    steps = [p._dynamic_steps(batch.logp[r], n) for p, r, n in zip(proposers, rows, sizes)]
+    lead = proposers[0]
+    batch = batch.take(rows, lead.module.config)
+    cache, valid = batch.cache, batch.valid
+    steps = [p._dynamic_steps(logp, n) for p, logp, n in zip(proposers, batch.logp, sizes)]
     expanding: list[tuple[list[_Node], list[int]] | None] = [None] * len(rows)
     done: list[tuple[list[_Node], list[int]] | None] = [None] * len(rows)
 
@@ -403,7 +407,7 @@ def _dynamic_trees(proposers: list[EagleProposer], batch: _Batch, rows: list[int
         advance(k)
     while any(expanding):
         columns = valid.shape[1]
-        _expand_together(lead, expanding, roots, [batch.base[r] for r in rows], valid, cache)
+        _expand_together(lead, expanding, batch.h, batch.base, valid, cache)
         valid = F.pad(valid, (0, cache.get_seq_length() - columns))  # draft columns are nobody's past
         for k, step in enumerate(expanding):
             if step is not None:
@@ -417,7 +421,8 @@ def _expand_together(lead: EagleProposer, expanding: list, roots: torch.Tensor, 
     sees its row's past, its ancestors and itself, and gets its cache column, feature and log-probs."""
     device, columns = lead.device, valid.shape[1]
     q = max(len(step[1]) for step in expanding if step is not None)
-    hidden = torch.zeros(len(expanding), q, roots.shape[-1], dtype=roots.dtype, device=device)
+    padding = torch.zeros_like(roots[0])
+    hidden = [[padding] * q for _ in expanding]  # stacked once: element writes cost a GPU launch each
     tokens = [[0] * q for _ in expanding]
     positions = [[base] * q for base in bases]
     allowed = torch.cat([valid[:, None, :].expand(-1, q, -1), torch.eye(q, dtype=torch.bool, device=device)
@@ -429,7 +434,7 @@ def _expand_together(lead: EagleProposer, expanding: list, roots: torch.Tensor, 
         nodes, ids = step
         for j, i in enumerate(ids):
             parent = nodes[i].parent
-            hidden[k, j] = roots[k] if parent < 0 else nodes[parent].h
+            hidden[k][j] = roots[k] if parent < 0 else nodes[parent].h
             tokens[k][j] = lead._target_id(nodes[i].draft_id)
             positions[k][j] = bases[k] + nodes[i].depth - 1
             while parent >= 0:
@@ -437,8 +442,8 @@ def _expand_together(lead: EagleProposer, expanding: list, roots: torch.Tensor, 
                 parent = nodes[parent].parent
     if seen:
         allowed[tuple(torch.tensor(seen, device=device).T)] = True
-    post, pre = lead._run(hidden, torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                          allowed, cache)
+    post, pre = lead._run(torch.stack([torch.stack(row) for row in hidden]), torch.tensor(tokens, device=device),
+                          torch.tensor(positions, device=device), allowed, cache)
     logp = lead._logp(post)
     for k, step in enumerate(expanding):
         if step is None:
