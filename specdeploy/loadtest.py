@@ -2,8 +2,8 @@
 speculative deployment against its autoregressive twin (the same repository, speculation off).
 
 For each concurrency level (default 1, 2, 4, 8) both arms get the same greedy requests, streamed
-through tritonclient (gRPC); the arm that goes first alternates from level to level, so machine
-noise hits both. At most `concurrency` requests are in flight: all sent at once (closed loop), or
+through tritonclient (gRPC), in passes (default 2) whose arm order alternates, ABBA within a level,
+so that machine noise and drift hit both arms alike; a level's figures pool its passes. At most `concurrency` requests are in flight: all sent at once (closed loop), or
 at Poisson arrival times with --request-rate (open loop; a request that arrives while every slot
 is busy waits for one, as `vllm bench serve --max-concurrency` does). Per arm and level: output
 tokens/s, requests/s, TTFT / TPOT / ITL percentiles (DEFINITIONS), acceptance length, errors; then
@@ -49,7 +49,8 @@ STAGE, OUT = "loadtest", "loadtest"
 SPEC, AR = "speculative", "autoregressive"
 DEFINITIONS = {
     "tokens": "output tokens of a request: its served text re-tokenized (no special tokens), as verify counts them",
-    "output_tokens_per_s": "output tokens of the level's successful requests / the level's wall time (first send to last answer)",
+    "output_tokens_per_s": ("output tokens of the level's successful requests / the level's wall time (first send to last "
+                            "answer, summed over the level's passes)"),
     "ttft_s": "time to first token: request sent -> first streamed chunk with text",
     "tpot_s": "time per output token after the first: (latency - TTFT) / (tokens - 1), requests with > 1 token",
     "itl_s": ("inter-token latency, one sample per token after the first chunk: a chunk of k tokens arriving g s after "
@@ -133,7 +134,7 @@ class Timed:
     """One request as the client saw it; tokens are counted after the level, off the clock."""
 
     prompt: int
-    start_s: float  # after the level started
+    start_s: float  # after its pass of the level started
     latency_s: float = 0.0
     # each streamed chunk's arrival after the send, as the client's on_text sees it (a busy client
     # thread can see a few chunks at once: at a few ms per token the gaps bunch up)
@@ -196,6 +197,7 @@ class Sweep:
     max_tokens: int
     rate: float | None = None
     seed: int = 0
+    passes: int = 1
 
     @property
     def order(self) -> list[int]:
@@ -203,8 +205,9 @@ class Sweep:
 
 
 def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print) -> Results:
-    """Every level for every arm, the arms' order alternating per level; the first reference-arm
-    level is preceded by a solo pass when the sweep has no concurrency 1 (key 0)."""
+    """Every level for every arm in `plan.passes` passes, the arms' order alternating from pass to
+    pass and level to level; a level's passes pool (requests joined, wall times added). The first
+    reference-arm level is preceded by a solo pass when the sweep has no concurrency 1 (key 0)."""
     clients = {arm: [TritonLLMClient(url) for _ in range(plan.levels[-1])] for arm, url in urls.items()}
     arrivals = arrival_times(plan.requests, plan.rate, plan.seed)
     results: Results = {arm: {} for arm in urls}
@@ -217,9 +220,12 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print)
             solo = list(range(len(plan.prompts)))
             results[reference][0] = run_level(clients[reference][:1], plan.prompts, solo, plan.max_tokens, [0.0] * len(solo))
         for n, level in enumerate(plan.levels):
-            for arm in list(urls)[:: 1 if n % 2 == 0 else -1]:
-                results[arm][level] = run_level(clients[arm][:level], plan.prompts, plan.order, plan.max_tokens, arrivals)
-                say(f"concurrency {level}: {arm} done in {results[arm][level][1]:.1f} s")
+            for p in range(plan.passes):
+                for arm in list(urls)[:: 1 if (n + p) % 2 == 0 else -1]:
+                    timed, wall = run_level(clients[arm][:level], plan.prompts, plan.order, plan.max_tokens, arrivals)
+                    before, spent = results[arm].get(level, ([], 0.0))
+                    results[arm][level] = (before + timed, spent + wall)
+                    say(f"concurrency {level}, pass {p + 1}/{plan.passes}: {arm} done in {wall:.1f} s")
     finally:
         for pool in clients.values():
             for client in pool:
@@ -351,8 +357,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "two; one arm unless --url-ar names the autoregressive one")
     parser.add_argument("--url-ar", help="with --url: a running autoregressive server to compare against")
     parser.add_argument("--concurrency", default="1,2,4,8", help="levels swept, comma-separated (default 1,2,4,8)")
-    parser.add_argument("--requests-per-level", type=int, default=8,
-                        help="requests per arm and level (default 8: the default sweep takes ~5 min on 2 CPU cores)")
+    parser.add_argument("--requests-per-level", type=int, default=8, help="requests per arm, level and pass (default 8)")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="passes per level, the arms' order alternating (ABBA); default 2: the default sweep takes "
+                             "~10 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--request-rate", type=float,
                         help="Poisson arrivals at this many requests/s (open loop); default: all at once (closed loop)")
@@ -363,8 +371,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.url_ar and not args.url:
         raise SpecDeployError("--url-ar needs --url (the speculative server)", hint="pass both, or neither to start the build's")
-    if args.requests_per_level < 1 or args.max_tokens < 1 or args.prompts < 1:
-        raise SpecDeployError("--requests-per-level, --max-tokens and --prompts must be >= 1", hint="e.g. --requests-per-level 8")
+    if min(args.requests_per_level, args.passes, args.max_tokens, args.prompts) < 1:
+        raise SpecDeployError("--requests-per-level, --passes, --max-tokens and --prompts must be >= 1",
+                              hint="e.g. --requests-per-level 8 --passes 2")
     if args.request_rate is not None and not args.request_rate > 0:
         raise SpecDeployError(f"--request-rate {args.request_rate} is not a positive rate", hint="requests per second, e.g. 2")
 
@@ -382,8 +391,8 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     model_dir = (cpu_repo / DEPLOYMENT).parent / deployment["model_dir"]
     tokenizer = load_tokenizer(model_dir)
     prompts = [p.text_input for p in load_prompts(args.prompts, tokenizer)][: args.requests_per_level]
-    plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed)
-    settings = {"concurrency": levels, "requests_per_level": plan.requests, "max_tokens": plan.max_tokens,
+    plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed, args.passes)
+    settings = {"concurrency": levels, "requests_per_level": plan.requests, "passes": plan.passes, "max_tokens": plan.max_tokens,
                 "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed, "url": args.url, "url_ar": args.url_ar}
     twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:
@@ -423,7 +432,8 @@ def main(args: argparse.Namespace) -> int:
     build = build_from_args(args)
     report = loadtest(build, args, levels)
     rate = f"Poisson {args.request_rate:g} req/s" if args.request_rate else "closed loop"
-    title = f"load test: {args.requests_per_level} requests x {args.max_tokens} tokens per arm and level, {rate}"
+    title = (f"load test: {args.passes} x {args.requests_per_level} requests x {args.max_tokens} tokens per arm and level "
+             f"(arms alternating), {rate}")
     # piped (a log, a test): wide enough for every column, where rich would assume 80
     Console(width=None if sys.stdout.isatty() else 160).print(table(report, title))
     curve = [e["speedup"] for e in report["levels"]]

@@ -5,6 +5,7 @@ repository. The deployment drafts with the target itself, so drafts are accepted
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -98,12 +99,14 @@ def build(tmp_path_factory, tiny_tokenizer_dir) -> BuildDir:
 def report(build) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "specdeploy", "loadtest", "--build-dir", str(build.root), "--concurrency", "1,2",
-         "--requests-per-level", "2", "--max-tokens", str(MAX_TOKENS), "--prompts", "1"],
+         "--requests-per-level", "2", "--passes", "2", "--max-tokens", str(MAX_TOKENS), "--prompts", "1"],
         capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "break-even concurrency:" in done.stdout
-    return json.loads((build.path("loadtest") / "loadtest.json").read_text())
+    report = json.loads((build.path("loadtest") / "loadtest.json").read_text())
+    report["stdout"] = done.stdout
+    return report
 
 
 def _figures(report: dict):
@@ -117,7 +120,7 @@ def test_sweep_reports_both_arms_at_every_level(report, build):
     assert [e["concurrency"] for e in report["levels"]] == [1, 2] and report["arms"] == [SPEC, AR]
     assert report["ok"] and report["errors"] == 0
     for level, arm, f in _figures(report):
-        assert f["requests"] == 2 and f["errors"] == 0, (level, arm, f["error_messages"])
+        assert f["requests"] == 4 and f["errors"] == 0, (level, arm, f["error_messages"])  # 2 passes of 2
         for name in ("ttft_s", "tpot_s", "itl_s", "latency_s"):
             assert 0 < f[name]["p50"] <= f[name]["p99"], (level, arm, name)
     for entry in report["levels"]:
@@ -127,6 +130,14 @@ def test_sweep_reports_both_arms_at_every_level(report, build):
     assert all(e[SPEC]["acceptance_length"] > 1.0 for e in report["levels"])
     assert all(e[AR]["acceptance_length"] == 1.0 for e in report["levels"])
     assert (build.path("loadtest") / "loadtest.png").stat().st_size > 5000
+
+
+@pytest.mark.server
+def test_passes_alternate_the_arms(report):
+    # ABBA within a level, and the next level starts with the arm the last one ended with
+    order = re.findall(r"concurrency (\d+), pass (\d)/2: (\w+) done", report["stdout"])
+    assert order == [("1", "1", SPEC), ("1", "1", AR), ("1", "2", AR), ("1", "2", SPEC),
+                     ("2", "1", AR), ("2", "1", SPEC), ("2", "2", SPEC), ("2", "2", AR)]
 
 
 @pytest.mark.server
@@ -149,7 +160,7 @@ def test_outputs_under_concurrency_equal_the_solo_runs(report):
     # float64: the exact rule, a changed output would fail the run
     assert report["dtype"] == "float64" and report["parity_rule"] == "exact"
     for level, arm, f in _figures(report):
-        assert f["identical"] == f["compared"] == 2, (level, arm)
+        assert f["identical"] == f["compared"] == 4, (level, arm)
     assert report["mismatches"] == 0
 
 
@@ -158,6 +169,8 @@ def test_bad_arguments_are_clear_errors(build, capsys):
     assert "--url-ar needs --url" in capsys.readouterr().err
     assert cli_main(["loadtest", "--build-dir", str(build.root), "--concurrency", "0"]) == 2
     assert "positive integers" in capsys.readouterr().err
+    assert cli_main(["loadtest", "--build-dir", str(build.root), "--passes", "0"]) == 2
+    assert "--passes" in capsys.readouterr().err
 
 
 @pytest.mark.server
@@ -165,7 +178,7 @@ def test_a_running_server_alone_is_one_arm_checked_against_a_solo_pass(build):
     with TritonServer(build.path("triton_repo") / "cpu", log_path=build.root / "logs" / "loadtest-url.log", threads=1) as server:
         done = subprocess.run(
             [sys.executable, "-m", "specdeploy", "loadtest", "--build-dir", str(build.root), "--url", server.grpc_url,
-             "--concurrency", "2", "--requests-per-level", "2", "--max-tokens", "4", "--prompts", "1"],
+             "--concurrency", "2", "--requests-per-level", "2", "--passes", "1", "--max-tokens", "4", "--prompts", "1"],
             capture_output=True, text=True, timeout=900,
         )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
