@@ -359,8 +359,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,2,4,8", help="levels swept, comma-separated (default 1,2,4,8)")
     parser.add_argument("--requests-per-level", type=int, default=8, help="requests per arm, level and pass (default 8)")
     parser.add_argument("--passes", type=int, default=2,
-                        help="passes per level, the arms' order alternating (ABBA); default 2: the default sweep takes "
-                             "~10 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
+                        help="passes per level, the arms' order alternating (ABBA); default 2: the default sweep took "
+                             "~6 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--request-rate", type=float,
                         help="Poisson arrivals at this many requests/s (open loop); default: all at once (closed loop)")

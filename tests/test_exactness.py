@@ -7,7 +7,7 @@ import pytest
 from specdeploy.errors import SpecDeployError
 from specdeploy.exactness import first_difference, speculative_exactness
 from specdeploy.quantize.stage import check_deploy_dtype
-from specdeploy.runtime import decoding
+from specdeploy.runtime import batch
 from specdeploy.runtime.verify import Acceptance
 from tests.test_runtime_deployment import write_deployment
 from tests.test_runtime_helpers import PROMPTS, one_thread, tokenizer  # noqa: F401
@@ -30,7 +30,7 @@ def test_a_verifier_that_keeps_a_wrong_draft_is_caught(tmp_path, tiny_llama_dir,
     def accept_everything(tree, logits, params, generator):  # the bug: no check against the target
         return Acceptance(list(range(len(tree))), int(logits[-1].argmax()))
 
-    monkeypatch.setattr(decoding, "accept", accept_everything)
+    monkeypatch.setattr(batch, "accept", accept_everything)  # the in-flight batcher's verifier
     spec = {"kind": "draft", "max_draft_len": 4, "draft_model_dir": str(tiny_draft_dir)}
     report = speculative_exactness(write_deployment(tmp_path, tiny_llama_dir, spec), _prompts(tokenizer), 16)
     assert not report["ok"] and report["identical"] < report["prompts"]
