@@ -173,6 +173,9 @@ class TritonServer:
             "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
             "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
             "--exit-timeout-secs", "5",
+            # our configs are complete: auto-completing starts one more Python stub per model
+            # (measured: 17.5 s to ready instead of 21.4 s, one CPU server on 2 cores)
+            "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *self.extra_args,
         ]
