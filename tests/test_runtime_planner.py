@@ -35,7 +35,7 @@ def stats_for(reach: list[float], round_s: dict[int, float], rounds: int = 100) 
     return out
 
 
-def test_plan_picks_the_fastest_expected_chain():
+def test_plan_takes_the_cheapest_round_near_the_fastest_expected_chain(monkeypatch):
     # a plain step 10 ms; a round of chain k: verify 10 ms + 1 ms per drafted token, drafting 2 ms per token
     stats = stats_for([0.9, 0.85, 0.7, 0.2, 0.1], {k: 0.010 + 0.003 * k for k in range(1, 6)})
     assert chain_reach(stats) == pytest.approx([0.9, 0.85, 0.7, 0.2, 0.1])
@@ -44,8 +44,13 @@ def test_plan_picks_the_fastest_expected_chain():
     assert by_shape[chain(3)].tokens_per_round == pytest.approx(1 + 0.9 + 0.85 + 0.7)
     assert by_shape[chain(3)].tokens_per_s == pytest.approx(3.45 / 0.019)
     best = max(chosen.estimates, key=lambda e: e.tokens_per_s)
-    assert chosen.shape == best.shape == chain(3)  # 182 tok/s: chain 2 gives 172, chain 4 166
-    assert chosen.expected_speedup == pytest.approx(best.tokens_per_s * 0.010)
+    assert best.shape == chain(3)  # 182 tok/s: chain 2 gives 172, chain 4 166, chain 1 146
+    # chain 2 is within SHAPE_MARGIN (10%) of the fastest and its round is cheaper: it is taken
+    assert chosen.shape == chain(2)
+    assert chosen.expected_speedup == pytest.approx(by_shape[chain(2)].tokens_per_s * 0.010)
+    # with no margin the fastest expected shape wins
+    monkeypatch.setattr(planner, "SHAPE_MARGIN", 0.0)
+    assert plan(Calibration(stats, [0.010])).shape == chain(3)
 
 
 def test_plan_prefers_plain_decoding_when_nothing_pays():
