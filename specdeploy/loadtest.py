@@ -3,9 +3,10 @@ speculative deployment against its autoregressive twin (the same repository, spe
 
 For each concurrency level (default 1, 2, 4, 8) both arms get the same greedy requests, streamed
 through tritonclient (gRPC), in passes (default 2) whose arm order alternates, ABBA within a level,
-so that machine noise and drift hit both arms alike; a level's figures pool its passes. At most `concurrency` requests are in flight: all sent at once (closed loop), or
-at Poisson arrival times with --request-rate (open loop; a request that arrives while every slot
-is busy waits for one, as `vllm bench serve --max-concurrency` does). Per arm and level: output
+so that machine noise and drift hit both arms alike; a level's figures pool its passes. At most
+`concurrency` requests are in flight: all sent at once (closed loop), or at Poisson arrival times
+with --request-rate (open loop; a request that arrives while every slot is busy waits for one, as
+`vllm bench serve --max-concurrency` does). Per arm and level: output
 tokens/s, requests/s, TTFT / TPOT / ITL percentiles (DEFINITIONS), acceptance length, errors; then
 the speed-up curve (speculative tokens/s over autoregressive tokens/s) and the break-even
 concurrency, the first level where speculation stops paying. Writes loadtest/loadtest.json and
@@ -222,7 +223,8 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print)
         for n, level in enumerate(plan.levels):
             for p in range(plan.passes):
                 for arm in list(urls)[:: 1 if (n + p) % 2 == 0 else -1]:
-                    timed, wall = run_level(clients[arm][:level], plan.prompts, plan.order, plan.max_tokens, arrivals)
+                    timed, wall = run_level(clients[arm][:level], plan.prompts, plan.order, plan.max_tokens,
+                                            arrivals)
                     before, spent = results[arm].get(level, ([], 0.0))
                     results[arm][level] = (before + timed, spent + wall)
                     say(f"concurrency {level}, pass {p + 1}/{plan.passes}: {arm} done in {wall:.1f} s")
@@ -392,8 +394,8 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     tokenizer = load_tokenizer(model_dir)
     prompts = [p.text_input for p in load_prompts(args.prompts, tokenizer)][: args.requests_per_level]
     plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed, args.passes)
-    settings = {"concurrency": levels, "requests_per_level": plan.requests, "passes": plan.passes, "max_tokens": plan.max_tokens,
-                "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed, "url": args.url, "url_ar": args.url_ar}
+    settings = {"concurrency": levels, "requests_per_level": plan.requests, "passes": plan.passes,
+                "max_tokens": plan.max_tokens, "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed, "url": args.url, "url_ar": args.url_ar}
     twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:
         stack.callback(shutil.rmtree, twin_dir.parent, ignore_errors=True)  # runs last: after the servers stop

@@ -246,7 +246,8 @@ def plan(calibration: Calibration) -> Plan:
     ar = 1.0 / calibration.step_s
     paying = [e for e in estimates if e.tokens_per_s > ar]
     fastest = max((e.tokens_per_s for e in paying), default=0.0)
-    chosen = min((e for e in paying if e.tokens_per_s >= (1 - SHAPE_MARGIN) * fastest), key=lambda e: e.round_s, default=None)
+    near = [e for e in paying if e.tokens_per_s >= (1 - SHAPE_MARGIN) * fastest]
+    chosen = min(near, key=lambda e: e.round_s, default=None)
     return Plan(chosen.shape if chosen else None, ar, estimates, reach)
 
 
@@ -255,8 +256,8 @@ def choose_draft_shape(
     max_new_tokens: int = CALIBRATION_TOKENS,
 ) -> Plan:
     """Calibrate `proposer` on held-out `prompts` (token ids) and pick the draft shape (`plan`:
-    the cheapest round among those expected near the fastest on this machine; what `--draft-shape auto` and the package stage
-    call). The proposer is left set to the chosen shape (draft `plan.shape.size` tokens a round);
+    the cheapest round among those expected near the fastest on this machine; what `--draft-shape
+    auto` and the package stage call). The proposer is left set to the chosen shape (draft `plan.shape.size` tokens a round);
     `proposer.shape_options(plan.shape)` gives the deployment spec options that serve it. With
     `plan.shape` None, plain decoding is the faster choice."""
     shapes = proposer.draft_shapes(max_len)
