@@ -53,9 +53,8 @@ def speculative_exactness(deployment: Path, prompts: list[list[int]], max_new_to
 
     decoder = load_decoder(deployment, device=device, dtype=EXACT_DTYPE)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    batcher = decoder.batcher(max_batch_size=len(prompts))
-    batcher.spec_off_above = None
-    speculative = decode_together(batcher, prompts, params, f"exactness ({EXACT_DTYPE}, speculative)")
+    every_round = decoder.batcher(max_batch_size=len(prompts), spec_off_above=len(prompts))  # never above it
+    speculative = decode_together(every_round, prompts, params, f"exactness ({EXACT_DTYPE}, speculative)")
     plain = decode_together(InflightBatcher(decoder.target, None, max_batch_size=len(prompts), decode=decoder.decode),
                             prompts, params, f"exactness ({EXACT_DTYPE}, plain)")
     rows = []

@@ -13,8 +13,9 @@ concurrency, the first level where speculation stops paying. Writes loadtest/loa
 loadtest.png in the build.
 
 Correctness: every output is compared with the same prompt's solo output (concurrency 1) of the
-autoregressive arm (of the only arm, with --url alone). Where the deployment's dtype makes greedy parity exact (verify.parity_rule:
-float64, or float32 without quantized activations/KV) any difference fails the run. Elsewhere a
+autoregressive arm (of the only arm, with --url alone). Where the deployment's dtype makes greedy
+parity exact (verify.parity_rule: float64, or float32 without quantized activations/KV) any
+difference fails the run. Elsewhere a
 batch of another shape may round a near-tie the other way, and only the reference's logit margins
 can tell that from a bug: the load test has none, so it reports `identical k/n` and leaves the
 judgement to `make verify`. Errors always fail.
@@ -395,7 +396,8 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     prompts = [p.text_input for p in load_prompts(args.prompts, tokenizer)][: args.requests_per_level]
     plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed, args.passes)
     settings = {"concurrency": levels, "requests_per_level": plan.requests, "passes": plan.passes,
-                "max_tokens": plan.max_tokens, "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed, "url": args.url, "url_ar": args.url_ar}
+                "max_tokens": plan.max_tokens, "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed,
+                "url": args.url, "url_ar": args.url_ar}
     twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:
         stack.callback(shutil.rmtree, twin_dir.parent, ignore_errors=True)  # runs last: after the servers stop

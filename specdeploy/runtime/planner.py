@@ -257,9 +257,9 @@ def choose_draft_shape(
 ) -> Plan:
     """Calibrate `proposer` on held-out `prompts` (token ids) and pick the draft shape (`plan`:
     the cheapest round among those expected near the fastest on this machine; what `--draft-shape
-    auto` and the package stage call). The proposer is left set to the chosen shape (draft `plan.shape.size` tokens a round);
-    `proposer.shape_options(plan.shape)` gives the deployment spec options that serve it. With
-    `plan.shape` None, plain decoding is the faster choice."""
+    auto` and the package stage call). The proposer is left set to the chosen shape (draft
+    `plan.shape.size` tokens a round); `proposer.shape_options(plan.shape)` gives the deployment
+    spec options that serve it. With `plan.shape` None, plain decoding is the faster choice."""
     shapes = proposer.draft_shapes(max_len)
     if not shapes:
         raise SpecDeployError(f"{type(proposer).__name__} drafts one fixed tree: there is no shape to choose",
