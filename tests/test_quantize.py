@@ -124,6 +124,33 @@ def test_load_causal_lm_serves_the_quantized_checkpoint(fp8_build):
     assert torch.isfinite(a).all() and torch.equal(a, b)  # deterministic: same numerics every load
 
 
+def test_kv_quantized_once_on_write_equals_requantizing_the_cache(fp8_build):
+    """K/V enter a DynamicCache fake-quantized, once; a prefill, 1-token and multi-token steps give
+    the same logits, bit for bit, as re-quantizing the whole cache at every step (what a cache
+    that hands attention copies gets: nothing can be quantized in place)."""
+    from transformers import DynamicCache
+
+    class CopyingCache(DynamicCache):
+        def update(self, *args, **kwargs):
+            return tuple(t.clone() for t in super().update(*args, **kwargs))
+
+    model = models.load_causal_lm(fp8_build.path("quantized"))
+
+    def run(cache: DynamicCache) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits
+                    for ids in ([1, 5, 9, 30, 44, 2, 7], [3], [8, 9, 10], [4], [11, 12])]
+
+    on_write, every_step = DynamicCache(config=model.config), CopyingCache(config=model.config)
+    assert all(torch.equal(a, b) for a, b in zip(run(on_write), run(every_step)))
+    attention = model.model.layers[1].self_attn
+    stored, raw = on_write.layers[1], every_step.layers[1]
+    assert stored.keys.shape[-2] == 14
+    assert torch.equal(loader.fake_quant(stored.keys, attention.specdeploy_k_scale, "fp8"), stored.keys)
+    assert torch.equal(loader.fake_quant(stored.values, attention.specdeploy_v_scale, "fp8"), stored.values)
+    assert not torch.equal(loader.fake_quant(raw.keys, attention.specdeploy_k_scale, "fp8"), raw.keys)  # two paths
+
+
 def test_stage_is_skipped_when_complete(fp8_build):
     record = fp8_build.record("quantize")
     again = Q.run(fp8_build, "fp8", "fp8", calib_size=4, calib_seq_len=48, report=True, report_prompts=2,

@@ -8,7 +8,9 @@ The exported checkpoint IS the reference. Each quantized Linear is rebuilt from 
 quantized weight times its scales (what the TRT-LLM engine multiplies with), and its input is
 fake-quantized with the stored static input_scale (after pre_quant_scale), exactly the
 quantize-dequantize ModelOpt applied during calibration; K and V are fake-quantized with
-k_scale / v_scale at the attention call (post-RoPE, like ModelOpt and TRT-LLM's KV cache).
+k_scale / v_scale at the attention call (post-RoPE, like ModelOpt and TRT-LLM's KV cache), once
+as they enter a DynamicCache (fake quantization is idempotent: the same numbers as re-quantizing
+the whole cache at every step, which cost a third of a batched decode step here).
 Checked against ModelOpt layer by layer (tests): given the exported weights, each Linear's output
 is ModelOpt's own (SmoothQuant: the whole forward, bit for bit). ModelOpt's in-memory fake quant
 itself differs slightly from its export (the export divides w / scale in bf16, so ~4% of FP8
@@ -23,15 +25,16 @@ straight to the target device, so a large model is never materialized twice.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from specdeploy.attention import sdpa, use_attention
 from specdeploy.device import resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import load_safetensors_dir
@@ -130,34 +133,62 @@ class QuantLinear(nn.Linear):
 
 
 def _register_kv_attention() -> None:
-    """A named attention function: fake-quantize K/V, then run whatever "sdpa" currently is.
+    """A named attention function: fake-quantize K/V, then attention.sdpa.
 
     It is selected per attention module (its own config copy), not by replacing "sdpa": ModelOpt
     swaps ALL_ATTENTION_FUNCTIONS["sdpa"] in and out around its own forwards, which would shadow
     a global replacement in any process that also calibrates (e.g. the quality report)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    from transformers.modeling_utils import AttentionInterface
 
     if KV_ATTENTION in AttentionInterface._global_mapping:
         return
 
     def sdpa_with_kv_quant(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
-        fmt = module.specdeploy_kv_format
-        key, value = fake_quant(key, module.specdeploy_k_scale, fmt), fake_quant(value, module.specdeploy_v_scale, fmt)
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, *args, **kwargs)
+        fmt, k_scale, v_scale = module.specdeploy_kv_format, module.specdeploy_k_scale, module.specdeploy_v_scale
+        if _appended_to_dynamic_cache(module, key, value):
+            # Quantize on write: this call's columns are the last ones, the older ones were quantized
+            # when written, and fake quantization is idempotent, so the numbers are those of
+            # re-quantizing the whole cache at every step (what dominates a long batch's step here).
+            new = query.shape[-2]
+            key[..., -new:, :] = fake_quant(key[..., -new:, :], k_scale, fmt)
+            value[..., -new:, :] = fake_quant(value[..., -new:, :], v_scale, fmt)
+        else:
+            key, value = fake_quant(key, k_scale, fmt), fake_quant(value, v_scale, fmt)
+        return sdpa(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register(KV_ATTENTION, sdpa_with_kv_quant)
 
 
+def _remember_cache(attention: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook: the cache this call appends its K/V to (weakly: it outlives no request)."""
+    cache = kwargs.get("past_key_values")
+    attention.specdeploy_kv_cache = None if cache is None else weakref.ref(cache)
+
+
+def _appended_to_dynamic_cache(attention: nn.Module, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Are `key`/`value` a transformers DynamicLayer's own tensors, which its update() just
+    extended by this call's columns? (Any other cache, or none: the whole K/V is quantized.)"""
+    from transformers.cache_utils import DynamicLayer
+
+    ref = getattr(attention, "specdeploy_kv_cache", None)
+    cache, index = ref() if ref else None, getattr(attention, "layer_idx", None)
+    if cache is None or index is None or index >= len(getattr(cache, "layers", ())) or key.requires_grad:
+        return False
+    layer = cache.layers[index]
+    return type(layer) is DynamicLayer and layer.keys is key and layer.values is value
+
+
 def attach_kv_quant(attention: nn.Module, fmt: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """K/V of this attention module are fake-quantized (post-RoPE, at the attention call, like
-    ModelOpt's _QuantAttention); the model's own config keeps "sdpa" (masks, callers). The scales
-    are buffers (not in the state dict), so they follow the module to its device."""
+    ModelOpt's _QuantAttention; once, as they are written, into a DynamicCache); the model's own
+    config keeps "sdpa" (masks, callers). The scales are buffers (not in the state dict), so they
+    follow the module to its device."""
     _register_kv_attention()
     attention.specdeploy_kv_format = fmt
     attention.register_buffer("specdeploy_k_scale", k_scale, persistent=False)
     attention.register_buffer("specdeploy_v_scale", v_scale, persistent=False)
-    attention.config = copy.copy(attention.config)
-    attention.config._attn_implementation = KV_ATTENTION
+    use_attention(attention, KV_ATTENTION)
+    attention.register_forward_pre_hook(_remember_cache, with_kwargs=True)
 
 
 def _swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
