@@ -151,6 +151,34 @@ def test_kv_quantized_once_on_write_equals_requantizing_the_cache(fp8_build):
     assert not torch.equal(loader.fake_quant(raw.keys, attention.specdeploy_k_scale, "fp8"), raw.keys)  # two paths
 
 
+def test_siblings_quantize_the_input_they_share_once(fp8_build, monkeypatch):
+    """q/k/v and gate/up (one input scale each in the export) quantize their input once per
+    forward, with the same logits as quantizing it per Linear, and keep nothing afterwards."""
+    model = models.load_causal_lm(fp8_build.path("quantized"))
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attention.q_proj.shared_input is attention.k_proj.shared_input is attention.v_proj.shared_input
+    assert mlp.gate_proj.shared_input is mlp.up_proj.shared_input
+    assert attention.q_proj.shared_input is not None and mlp.up_proj.shared_input is not None
+    assert attention.o_proj.shared_input is None and mlp.down_proj.shared_input is None
+
+    calls = []
+    fake_quant = loader.fake_quant
+    monkeypatch.setattr(loader, "fake_quant", lambda x, *a, **kw: calls.append(x.shape) or fake_quant(x, *a, **kw))
+    ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
+    with torch.no_grad():
+        shared = model(ids).logits
+        per_layer_shared = len(calls) // model.config.num_hidden_layers
+        assert all(m.shared_input._entry is None for m in model.modules() if getattr(m, "shared_input", None))
+        for module in model.modules():
+            if isinstance(module, loader.QuantLinear):
+                module.shared_input = None
+        calls.clear()
+        alone = model(ids).logits
+    assert torch.equal(shared, alone)
+    # 4 input quantizations (qkv, o, gate/up, down) + K and V; 7 + 2 without sharing
+    assert (per_layer_shared, len(calls) // model.config.num_hidden_layers) == (6, 9)
+
+
 def test_stage_is_skipped_when_complete(fp8_build):
     record = fp8_build.record("quantize")
     again = Q.run(fp8_build, "fp8", "fp8", calib_size=4, calib_seq_len=48, report=True, report_prompts=2,

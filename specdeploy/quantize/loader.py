@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +67,24 @@ def parity_dtype(model_dir: str | os.PathLike) -> str:
     return "float64" if rounds_activations(read_quant_config(model_dir)) else "float32"
 
 
-def fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Quantize-dequantize with a static scale (= amax / maxbound, as exported), in fp32 and in
-    the same operation order as ModelOpt's CPU kernels (x * (maxbound / amax)), so rounding
-    ties fall the same way."""
+def quant_factors(scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ModelOpt's `scale` = maxbound / amax, its inverse) in fp32, from a static scale (= amax /
+    maxbound, as exported)."""
     maxbound = FP8_MAX if fmt == "fp8" else 127.0
-    inv = maxbound / (scale.float() * maxbound)  # ModelOpt's `scale`: maxbound / amax
+    inv = maxbound / (scale.float() * maxbound)
+    return inv, 1 / inv
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt: str,
+               factors: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Quantize-dequantize with a static scale (or its precomputed `quant_factors`), in fp32 and
+    in the same operation order as ModelOpt's CPU kernels (x * (maxbound / amax)), so rounding
+    ties fall the same way."""
+    inv, step = (t.float() for t in factors) if factors is not None else quant_factors(scale, fmt)
     if fmt == "fp8":
-        q = (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * (1 / inv)
+        q = (x.float() * inv).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float().mul_(step)
     elif fmt == "int8":
-        q = (x.float() * inv).round().clamp(-128, 127) / inv
+        q = (x.float() * inv).round_().clamp_(-128, 127).div_(inv)
     else:
         raise ValueError(fmt)
     return q.to(x.dtype)
@@ -109,7 +118,9 @@ def dequantize_weight(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Te
 
 
 class QuantLinear(nn.Linear):
-    """A Linear with dequantized weights and static fake-quantized inputs (see module docstring)."""
+    """A Linear with dequantized weights and static fake-quantized inputs (see module docstring).
+    Siblings that read one tensor with the same input quantizer (q/k/v, gate/up: the export gives
+    fused Linears one input scale) share a `SharedInput`, so that tensor is quantized once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_format: str | None,
                  input_scale: torch.Tensor | None, pre_quant_scale: torch.Tensor | None) -> None:
@@ -120,16 +131,85 @@ class QuantLinear(nn.Linear):
         self.act_format = act_format if input_scale is not None else None
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float())
         self.register_buffer("pre_quant_scale", None if pre_quant_scale is None else pre_quant_scale.to(weight.dtype))
+        inv, step = quant_factors(input_scale, act_format) if self.act_format else (None, None)
+        self.register_buffer("input_inv", inv, persistent=False)  # computed once, not per call
+        self.register_buffer("input_step", step, persistent=False)
+        self.shared_input: SharedInput | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pre_quant_scale is not None:
-            x = x * self.pre_quant_scale
         if self.act_format is not None:
-            x = fake_quant(x, self.input_scale, self.act_format)
+            x = self.quantize_input(x)
+        elif self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        quantized = self.shared_input.take(x) if self.shared_input is not None else None
+        if quantized is None:
+            smoothed = x * self.pre_quant_scale if self.pre_quant_scale is not None else x
+            quantized = fake_quant(smoothed, self.input_scale, self.act_format, (self.input_inv, self.input_step))
+            if self.shared_input is not None:
+                self.shared_input.put(x, quantized)
+        return quantized
+
+    def same_input_quantizer(self, other: "QuantLinear") -> bool:
+        return (self.act_format == other.act_format and _same(self.input_scale, other.input_scale)
+                and _same(self.pre_quant_scale, other.pre_quant_scale))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, act={self.act_format}, smooth={self.pre_quant_scale is not None}"
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+class SharedInput:
+    """The quantized input of `readers` sibling QuantLinears, kept until each has taken it: the
+    first reader computes it, the others find it by the identity of their input tensor (checked
+    through a weak reference, so a freed tensor whose id is reused never matches)."""
+
+    def __init__(self, readers: int) -> None:
+        self.readers = readers
+        self._entry: tuple[weakref.ref, torch.Tensor, int] | None = None  # (source, quantized, readers left)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor | None:
+        entry = self._entry  # one read: another thread's put() cannot mix two entries
+        if entry is None or entry[0]() is not x:
+            return None
+        source, quantized, left = entry
+        self._entry = (source, quantized, left - 1) if left > 1 else None
+        return quantized
+
+    def put(self, x: torch.Tensor, quantized: torch.Tensor) -> None:
+        self._entry = (weakref.ref(x), quantized, self.readers - 1) if self.readers > 1 else None
+
+    def clear(self) -> None:
+        self._entry = None
+
+
+def share_inputs(model: nn.Module) -> None:
+    """Give QuantLinear siblings (children of one module) with the same input quantizer one
+    SharedInput: in the transformer blocks these read the same tensor (q/k/v; gate/up). Whatever
+    a sibling did not take is dropped when the parent's forward returns, so no activation is kept
+    between forwards."""
+    for parent in model.modules():
+        groups: list[list[QuantLinear]] = []
+        for child in parent.children():
+            if isinstance(child, QuantLinear) and child.act_format is not None:
+                group = next((g for g in groups if g[0].same_input_quantizer(child)), None)
+                groups.append([child]) if group is None else group.append(child)
+        shared = [SharedInput(len(group)) for group in groups if len(group) > 1]
+        for group, one in zip([g for g in groups if len(g) > 1], shared):
+            for layer in group:
+                layer.shared_input = one
+        if shared:
+            parent.register_forward_hook(partial(_clear_shared, shared))
+
+
+def _clear_shared(shared: list[SharedInput], module: nn.Module, args: tuple, output: Any) -> None:
+    for one in shared:
+        one.clear()
 
 
 def _register_kv_attention() -> None:
@@ -221,6 +301,7 @@ def apply_quantized_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], 
         v_scale = tensors.pop(f"{attn}.v_proj.v_scale").float().to(device)
         if kv_format:
             attach_kv_quant(model.get_submodule(attn), kv_format, k_scale, v_scale)
+    share_inputs(model)
     return swapped
 
 
