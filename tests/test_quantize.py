@@ -162,8 +162,8 @@ def test_siblings_quantize_the_input_they_share_once(fp8_build, monkeypatch):
     assert attention.o_proj.shared_input is None and mlp.down_proj.shared_input is None
 
     calls = []
-    fake_quant = loader.fake_quant
-    monkeypatch.setattr(loader, "fake_quant", lambda x, *a, **kw: calls.append(x.shape) or fake_quant(x, *a, **kw))
+    apply_fake_quant = loader.apply_fake_quant
+    monkeypatch.setattr(loader, "apply_fake_quant", lambda x, *a: calls.append(x.shape) or apply_fake_quant(x, *a))
     ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
     with torch.no_grad():
         shared = model(ids).logits

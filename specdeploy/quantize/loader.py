@@ -75,12 +75,15 @@ def quant_factors(scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Te
     return inv, 1 / inv
 
 
-def fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt: str,
-               factors: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Quantize-dequantize with a static scale (or its precomputed `quant_factors`), in fp32 and
-    in the same operation order as ModelOpt's CPU kernels (x * (maxbound / amax)), so rounding
-    ties fall the same way."""
-    inv, step = (t.float() for t in factors) if factors is not None else quant_factors(scale, fmt)
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantize-dequantize with a static scale (= amax / maxbound, as exported)."""
+    return apply_fake_quant(x, quant_factors(scale, fmt), fmt)
+
+
+def apply_fake_quant(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor], fmt: str) -> torch.Tensor:
+    """Quantize-dequantize with precomputed `quant_factors`, in fp32 and in the same operation
+    order as ModelOpt's CPU kernels (x * (maxbound / amax)), so rounding ties fall the same way."""
+    inv, step = (t.float() for t in factors)
     if fmt == "fp8":
         q = (x.float() * inv).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float().mul_(step)
     elif fmt == "int8":
@@ -147,7 +150,7 @@ class QuantLinear(nn.Linear):
         quantized = self.shared_input.take(x) if self.shared_input is not None else None
         if quantized is None:
             smoothed = x * self.pre_quant_scale if self.pre_quant_scale is not None else x
-            quantized = fake_quant(smoothed, self.input_scale, self.act_format, (self.input_inv, self.input_step))
+            quantized = apply_fake_quant(smoothed, (self.input_inv, self.input_step), self.act_format)
             if self.shared_input is not None:
                 self.shared_input.put(x, quantized)
         return quantized
@@ -182,7 +185,7 @@ class SharedInput:
         return quantized
 
     def put(self, x: torch.Tensor, quantized: torch.Tensor) -> None:
-        self._entry = (weakref.ref(x), quantized, self.readers - 1) if self.readers > 1 else None
+        self._entry = (weakref.ref(x), quantized, self.readers - 1)
 
     def clear(self) -> None:
         self._entry = None
@@ -199,10 +202,11 @@ def share_inputs(model: nn.Module) -> None:
             if isinstance(child, QuantLinear) and child.act_format is not None:
                 group = next((g for g in groups if g[0].same_input_quantizer(child)), None)
                 groups.append([child]) if group is None else group.append(child)
-        shared = [SharedInput(len(group)) for group in groups if len(group) > 1]
-        for group, one in zip([g for g in groups if len(g) > 1], shared):
+        shared = []
+        for group in (g for g in groups if len(g) > 1):
+            shared.append(SharedInput(len(group)))
             for layer in group:
-                layer.shared_input = one
+                layer.shared_input = shared[-1]
         if shared:
             parent.register_forward_hook(partial(_clear_shared, shared))
 
