@@ -4,9 +4,12 @@ greedy decoding token for token.
 The served deployment computes in bf16, where a k-token verify and a 1-token step round apart, so
 served parity can only be judged by the near-tie rule. This check removes the rounding instead of
 excusing it: the same deployment (weights, quantization numerics, proposer, draft shape) is loaded
-in float64, in-process on `device`, and the prompts are decoded twice, with and without the
-proposer, each time together in one in-flight batch as the server runs them. Any difference is a
-bug in speculation, never a near-tie, so 100% is required.
+in float64, in-process on `device`, and the prompts are decoded with the proposer, together in one
+in-flight batch as the server runs them. Each answer is then checked against greedy decoding by
+its definition (every token the model's argmax given the ones before it), in one forward pass of
+the same float64 model over the prompt and the answer: outside the runtime, so a fault it shares
+between its speculative and plain paths cannot hide. Any difference is a bug in speculation,
+never a near-tie, so 100% is required.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specdeploy.parity import greedy_path
 from specdeploy.runtime.batch import BatchRequest, InflightBatcher
 from specdeploy.runtime.types import GenerationResult, SamplingParams, acceptance_length
 
@@ -45,23 +49,28 @@ def decode_together(batcher: InflightBatcher, prompts: list[list[int]], params: 
 
 def speculative_exactness(deployment: Path, prompts: list[list[int]], max_new_tokens: int,
                           device: str | None = None) -> dict[str, Any]:
-    """Speculative vs plain greedy on the deployment loaded in float64; one row per prompt. Each
-    arm decodes all prompts in one in-flight batch, as served (in float64 a batch's shape moves
-    logits by ~1e-16, far below any margin); the speculative one drafts in every round, whatever
-    the deployment's spec_off_above."""
+    """Speculative greedy decoding on the deployment loaded in float64 (all prompts in one
+    in-flight batch, as served, drafting in every round whatever the deployment's spec_off_above)
+    against plain greedy decoding of the same model; one row per prompt. In float64 a batch's
+    shape or a forward's length moves logits by ~1e-16, far below any margin."""
+    import torch
+
+    from specdeploy.runtime.decoding import eos_token_ids
     from specdeploy.runtime.deployment import load_decoder
 
     decoder = load_decoder(deployment, device=device, dtype=EXACT_DTYPE)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     every_round = decoder.batcher(max_batch_size=len(prompts), spec_off_above=len(prompts))  # never above it
     speculative = decode_together(every_round, prompts, params, f"exactness ({EXACT_DTYPE}, speculative)")
-    plain = decode_together(InflightBatcher(decoder.target, None, max_batch_size=len(prompts), decode=decoder.decode),
-                            prompts, params, f"exactness ({EXACT_DTYPE}, plain)")
+    eos = eos_token_ids(decoder.target)
+    plain = []
+    for ids, spec in zip(tqdm(prompts, desc=f"exactness ({EXACT_DTYPE}, plain greedy check)", unit="prompt"), speculative):
+        path, _ = greedy_path(decoder.target, torch.tensor([ids], device=decoder.device), spec.token_ids, eos)
+        plain.append(path[:max_new_tokens])  # where the two agree to the end: plain greedy's own answer
     rows = []
     for spec, ref in zip(speculative, plain):
-        rows.append({"identical": spec.token_ids == ref.token_ids,
-                     "first_difference": first_difference(spec.token_ids, ref.token_ids),
-                     "tokens": len(ref.token_ids), "accepted_draft_tokens": spec.metrics.accepted_draft_tokens,
+        rows.append({"identical": spec.token_ids == ref, "first_difference": first_difference(spec.token_ids, ref),
+                     "tokens": len(spec.token_ids), "accepted_draft_tokens": spec.metrics.accepted_draft_tokens,
                      "target_forwards": spec.metrics.target_forwards})
     accepted = sum(r["accepted_draft_tokens"] for r in rows)
     forwards = sum(r["target_forwards"] for r in rows)

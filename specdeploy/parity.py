@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specdeploy.runtime.decoding import eos_token_ids
+
 
 @dataclass
 class Reference:
-    """Greedy output of `transformers.generate` and the logit margin (top1 - top2) at each step."""
+    """Greedy output on the reference model and the logit margin (top1 - top2) at each step."""
 
     token_ids: list[int]
     text: str
@@ -36,23 +38,66 @@ class ParityResult:
 
 
 @torch.inference_mode()
-def hf_reference(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int) -> Reference:
-    """The reference: plain `generate(do_sample=False)` on the same weights and dtype."""
+def hf_reference(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, guess: str | None = None, *,
+                 complete: bool = True) -> Reference:
+    """The reference: greedy decoding (`generate(do_sample=False)`) on the same weights and dtype.
+
+    Given a guess (the served answer), its tokens are checked in one forward pass, as a verify
+    step checks drafts: the reference keeps every guessed token that is the model's own greedy
+    choice, takes its own choice where they part, and then generates on (`complete`) or stops
+    there (enough to place the divergence). Wherever no position sits at a rounding-level tie,
+    this is token for token what generate() returns, for one forward when the guess is right
+    instead of one per token.
+    """
+    eos = eos_token_ids(model)  # what generate() stops at
+    tokens: list[int] = []
+    margins: list[float] = []
+    if guess is not None:
+        guessed = tokenizer(guess, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        tokens, margins = greedy_path(model, prompt_ids, guessed, eos)
+        tokens, margins = tokens[:max_new_tokens], margins[:max_new_tokens]
+    finished = len(tokens) >= max_new_tokens or bool(tokens) and tokens[-1] in eos
+    if complete and not finished:
+        prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
+        more, more_margins = _generate(model, tokenizer, prefix, max_new_tokens - len(tokens))
+        tokens, margins = tokens + more, margins + more_margins
+    return Reference(tokens, tokenizer.decode(tokens, skip_special_tokens=True), margins)
+
+
+def _margin(scores: torch.Tensor) -> float:
+    top2 = torch.topk(scores.float(), 2).values
+    return float(top2[0] - top2[1])
+
+
+@torch.inference_mode()
+def greedy_path(model, prompt_ids: torch.Tensor, guessed: list[int], eos: set[int]) -> tuple[list[int], list[float]]:
+    """Greedy decoding along a guess, in one forward: the guessed tokens that are the model's
+    argmax given the ones before them, then its own next token (where it parts from the guess, or
+    after the last); it stops at an EOS. With each token's top-2 logit margin."""
+    guess_ids = torch.tensor([guessed], dtype=prompt_ids.dtype, device=prompt_ids.device)
+    ids = torch.cat([prompt_ids, guess_ids], dim=1)
+    logits = model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=len(guessed) + 1).logits[0]
+    tokens, margins = [], []
+    for scores, token in zip(logits, guessed + [None]):
+        choice = int(scores.argmax())
+        tokens.append(choice)
+        margins.append(_margin(scores))
+        if choice != token or choice in eos:
+            break
+    return tokens, margins
+
+
+def _generate(model, tokenizer, prefix: torch.Tensor, max_new_tokens: int) -> tuple[list[int], list[float]]:
     out = model.generate(
-        prompt_ids,
-        attention_mask=torch.ones_like(prompt_ids),
+        prefix,
+        attention_mask=torch.ones_like(prefix),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         output_scores=True,
         return_dict_in_generate=True,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
-    new_ids = out.sequences[0, prompt_ids.shape[1]:].tolist()
-    margins = []
-    for scores in out.scores:
-        top2 = torch.topk(scores[0].float(), 2).values
-        margins.append(float(top2[0] - top2[1]))
-    return Reference(new_ids, tokenizer.decode(new_ids, skip_special_tokens=True), margins)
+    return out.sequences[0, prefix.shape[1]:].tolist(), [_margin(scores[0]) for scores in out.scores]
 
 
 def compare(prompt: str, reference: Reference, served: str, tokenizer) -> ParityResult:

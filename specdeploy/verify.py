@@ -5,9 +5,10 @@ a. exactness (the algorithm's proof): the deployment's own weights loaded in flo
    speculative vs plain greedy decoding, token for token; 100% identical required (exactness.py).
 b. served: tritonserver on the packaged CPU repository (or a running one with --url) is sent
    held-out chat and code prompts through tritonclient (gRPC streaming); every answer is compared
-   with the Hugging Face reference, `transformers.generate(do_sample=False)` in-process on the very
-   weights and dtype the server loaded (for a quantized build, the same fake-quantized model), on
-   --device. An autoregressive twin (same repository, speculation off) runs beside it and the two
+   with the Hugging Face reference, greedy decoding in-process on the very weights and dtype the
+   server loaded (for a quantized build, the same fake-quantized model), on --device: the served
+   tokens are checked in one forward pass and `generate(do_sample=False)` runs on only from where
+   they leave the model's greedy path (parity.hf_reference). An autoregressive twin (same repository, speculation off) runs beside it and the two
    are asked the same prompts in alternation, so the speed-up is measured on one noisy machine in
    one run. Parity is exact where the served dtype allows, else by the near-tie rule.
 c. fidelity: the served answers against the user's original model (the resolved base checkpoint in
@@ -174,9 +175,10 @@ def fidelity(original: Reference, prompts: list[Prompt], rows: list[dict[str, An
     """Greedy agreement of the served answers (`rows`) with the user's original model."""
     agreement = []
     for prompt, row in zip(prompts, rows):
-        ref = hf_reference(original.model, original.tokenizer, original.ids(prompt.text_input), max_new_tokens)
+        ref = hf_reference(original.model, original.tokenizer, original.ids(prompt.text_input), max_new_tokens,
+                           guess=row["served"], complete=False)  # where they part is all this report needs
         result = compare(prompt.text_input, ref, row["served"], original.tokenizer)
-        agreement.append({"category": prompt.category, "identical": result.match, "tokens": len(ref.token_ids),
+        agreement.append({"category": prompt.category, "identical": result.match, "tokens_checked": len(ref.token_ids),
                           "first_divergence_token": result.first_divergence_token})
     differing = [a["first_divergence_token"] for a in agreement if not a["identical"]]
     return {
@@ -203,7 +205,7 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Re
         served = spec.generate(request, stream=target.stream)
         if ar and not i % 2:
             baseline = ar.generate(request, stream=True)
-        ref = hf_reference(reference.model, reference.tokenizer, reference.ids(prompt), max_new_tokens)
+        ref = hf_reference(reference.model, reference.tokenizer, reference.ids(prompt), max_new_tokens, guess=served.text)
         parity = compare(prompt, ref, served.text, reference.tokenizer)
         tokens = len(ref.token_ids) if parity.match else _count_tokens(reference.tokenizer, served.text)
         ar_tokens = None if baseline is None else tokens if baseline.text == served.text else _count_tokens(reference.tokenizer, baseline.text)

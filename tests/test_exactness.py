@@ -37,6 +37,23 @@ def test_a_verifier_that_keeps_a_wrong_draft_is_caught(tmp_path, tiny_llama_dir,
     assert any(r["first_difference"] is not None for r in report["rows"])
 
 
+def test_a_fault_the_speculative_and_plain_paths_share_is_caught(tmp_path, tiny_llama_dir, tiny_draft_dir, tokenizer,
+                                                                  monkeypatch):
+    """The batched forward that every round after the prefill runs, drafting or not, returns its
+    logits negated: speculative and plain runtime decoding agree with each other, token for
+    token; greedy decoding by its definition does not, from the first token after the prefill."""
+    verify = batch.InflightBatcher._verify
+
+    def negated(self, rows, trees):
+        logits, hidden = verify(self, rows, trees)
+        return -logits, hidden
+
+    monkeypatch.setattr(batch.InflightBatcher, "_verify", negated)
+    spec = {"kind": "draft", "max_draft_len": 4, "draft_model_dir": str(tiny_draft_dir)}
+    report = speculative_exactness(write_deployment(tmp_path, tiny_llama_dir, spec), _prompts(tokenizer), 16)
+    assert not report["ok"] and [r["first_difference"] for r in report["rows"]] == [1, 1, 1]
+
+
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1

@@ -33,6 +33,60 @@ def test_reference_match_and_divergence(tiny_llama_dir):
     assert other.margin_at_divergence == ref.margins[5]
 
 
+def _forwards(model) -> list[int]:
+    """A counter of the model's forward calls."""
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def _tiny(tiny_llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    return model, tokenizer, tokenizer("def add(a, b):", return_tensors="pt").input_ids
+
+
+def test_a_right_guess_is_checked_in_one_forward_and_gives_generates_reference(tiny_llama_dir):
+    model, tokenizer, prompt_ids = _tiny(tiny_llama_dir)
+    generated = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=7)
+    calls = _forwards(model)
+    checked = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=7, guess=generated.text)
+    assert len(calls) == 1 and checked.token_ids == generated.token_ids and checked.text == generated.text
+    assert checked.margins == pytest.approx(generated.margins, rel=1e-4, abs=1e-5)
+
+
+def test_a_guess_that_does_not_retokenize_to_the_served_tokens_still_gives_generates_reference(tiny_llama_dir):
+    """The tiny model's 12 tokens end in an EOS after byte tokens that decode to U+FFFD: the
+    text re-tokenizes differently, so the check parts early and generate() finishes the job."""
+    model, tokenizer, prompt_ids = _tiny(tiny_llama_dir)
+    generated = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=12)
+    assert generated.token_ids[-1] == model.generation_config.eos_token_id
+    assert tokenizer(generated.text, add_special_tokens=False)["input_ids"] != generated.token_ids[:-1]
+    checked = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=12, guess=generated.text)
+    assert checked.token_ids == generated.token_ids and compare("p", checked, generated.text, tokenizer).match
+
+
+@pytest.mark.parametrize("served_tokens", [0, 3, 6])
+def test_a_wrong_or_short_guess_gives_generates_reference_and_the_same_divergence(tiny_llama_dir, served_tokens):
+    """The served answer leaves the reference after `served_tokens` (wrong text, or it stopped):
+    completed, the reference is generate()'s; stopped at the parting, it places the divergence
+    (and its margin) where generate()'s does, in one forward."""
+    model, tokenizer, prompt_ids = _tiny(tiny_llama_dir)
+    generated = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=7)
+    kept = tokenizer.decode(generated.token_ids[:served_tokens], skip_special_tokens=True)
+    for served in (kept, kept + "\x00zzz"):
+        expected = compare("p", generated, served, tokenizer)
+        assert not expected.match
+        complete = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=7, guess=served)
+        assert complete.token_ids == generated.token_ids
+        calls = _forwards(model)
+        placed = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=7, guess=served, complete=False)
+        assert len(calls) == 1 and len(placed.token_ids) == served_tokens + 1
+        found = compare("p", placed, served, tokenizer)
+        assert (found.match, found.first_divergence_token) == (False, expected.first_divergence_token)
+        assert found.margin_at_divergence == pytest.approx(expected.margin_at_divergence, rel=1e-4, abs=1e-5)
+
+
 @pytest.mark.parametrize("dtype, quant, rule", [
     ("float64", {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, "exact"),
     ("float32", {}, "exact"),
