@@ -66,7 +66,7 @@ def speculative_exactness(deployment: Path, prompts: list[list[int]], max_new_to
     plain = []
     for ids, spec in zip(tqdm(prompts, desc=f"exactness ({EXACT_DTYPE}, plain greedy check)", unit="prompt"), speculative):
         path, _ = greedy_path(decoder.target, torch.tensor([ids], device=decoder.device), spec.token_ids, eos)
-        plain.append(path[:max_new_tokens])  # where the two agree to the end: plain greedy's own answer
+        plain.append(path[:max_new_tokens])  # plain greedy's answer, up to its first difference from `spec`
     rows = []
     for spec, ref in zip(speculative, plain):
         rows.append({"identical": spec.token_ids == ref, "first_difference": first_difference(spec.token_ids, ref),
