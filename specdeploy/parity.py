@@ -112,3 +112,13 @@ def compare(prompt: str, reference: Reference, served: str, tokenizer) -> Parity
             break
     margin = reference.margins[divergence] if divergence < len(reference.margins) else None
     return ParityResult(prompt, reference.text, served, False, divergence, margin)
+
+
+def parity_holds(result: ParityResult, exact: bool, near_tie: float) -> bool:
+    """The parity rule: identical, or (outside `exact`) parting where the reference's top-2
+    logit margin is <= near_tie."""
+    if result.match:
+        return True
+    if exact or result.margin_at_divergence is None:
+        return False
+    return result.margin_at_divergence <= near_tie

@@ -53,7 +53,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.exactness import speculative_exactness
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
-from specdeploy.parity import ParityResult, compare, hf_reference
+from specdeploy.parity import ParityResult, compare, hf_reference, parity_holds
 from specdeploy.runtime.types import acceptance_length
 
 STAGE, OUT = "verify", "reports"
@@ -138,14 +138,6 @@ def served_forwards(tokens: int, accepted: int) -> int:
     """Target forwards after the prefill: the prefill yields the first token, every later
     forward its accepted drafts plus one."""
     return max(tokens - 1 - accepted, 0)
-
-
-def _passes(result: ParityResult, exact: bool, near_tie: float) -> bool:
-    if result.match:
-        return True
-    if exact or result.margin_at_divergence is None:
-        return False
-    return result.margin_at_divergence <= near_tie
 
 
 class Reference(NamedTuple):
@@ -255,7 +247,7 @@ def _runs(rows: list[dict[str, Any]]) -> list[tuple[int, float, int | None, floa
 
 def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float) -> dict[str, Any]:
     exact = rule == "exact"
-    passed = [_passes(ParityResult(**{k: r[k] for k in ParityResult.__dataclass_fields__}), exact, near_tie) for r in rows]
+    passed = [parity_holds(ParityResult(**{k: r[k] for k in ParityResult.__dataclass_fields__}), exact, near_tie) for r in rows]
     speedups = [r["speedup"] for r in rows if r["speedup"]]
     summary = {
         "prompts": len(rows),

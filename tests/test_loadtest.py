@@ -15,8 +15,10 @@ from transformers import AutoTokenizer
 from specdeploy import models
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
-from specdeploy.loadtest import (AR, SPEC, arrival_times, chunk_tokens, count_tokens, inter_token_gaps,
-                                 parse_levels, percentiles)
+from specdeploy.loadtest import (AR, SPEC, arrival_times, chunk_tokens, count_tokens, disputed_outputs, inter_token_gaps,
+                                 judge_near_ties, parse_levels, percentiles, verdict)
+from specdeploy.parity import hf_reference
+from specdeploy.verify import load_reference
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.triton import package
@@ -82,6 +84,30 @@ def test_poisson_arrivals_are_seeded_at_the_asked_rate():
 
 # ---------------------------------------------------------------------------------------------
 # a real sweep
+
+
+def test_the_outputs_disputed_are_those_that_differ_from_their_solo_run_and_those_solo_runs():
+    expected = {0: "a b", 1: "c d"}
+    figures = [{"per_request": [{"prompt": 0, "text": "a b", "error": None}, {"prompt": 1, "text": "c x", "error": None}]},
+               {"per_request": [{"prompt": 1, "text": "c x", "error": None}, {"prompt": 0, "text": "", "error": "boom"}]}]
+    assert disputed_outputs(figures, expected) == [(1, "c d"), (1, "c x")]
+    assert disputed_outputs(figures[:1], {0: "a b", 1: "c x"}) == []
+
+
+def test_the_near_tie_judge_passes_the_references_answer_and_fails_a_departure_above_the_margin(tiny_llama_dir):
+    reference = load_reference(tiny_llama_dir, "float32", "cpu")
+    prompts = ["def add(a, b):"]
+    greedy = hf_reference(reference.model, reference.tokenizer, reference.ids(prompts[0]), 7)
+    departs = reference.tokenizer.decode(greedy.token_ids[:3]) + "\x00zzz"
+    strict = judge_near_ties([(0, greedy.text), (0, departs)], prompts, reference, 7, near_tie=0.0)
+    assert (strict["outputs"], strict["passed"], strict["ok"]) == (2, 1, False)
+    assert [r["first_divergence_token"] for r in strict["rows"]] == [None, 3]
+    assert strict["largest_margin"] == pytest.approx(greedy.margins[3], rel=1e-4) and greedy.margins[3] > 0
+    lenient = judge_near_ties([(0, departs)], prompts, reference, 7, near_tie=greedy.margins[3] + 1e-3)
+    assert lenient["ok"] and lenient["passed"] == 1
+    report = {"parity_rule": "near-tie", "mismatches": 5, "dtype": "bfloat16", "near_tie": strict}
+    assert verdict(report).startswith("FAIL: 5 outputs differ") and "1/2 distinct outputs pass" in verdict(report)
+    assert not verdict({**report, "near_tie": lenient}).startswith("FAIL")
 
 
 @pytest.fixture(scope="module")
