@@ -8,9 +8,10 @@ b. served: tritonserver on the packaged CPU repository (or a running one with --
    with the Hugging Face reference, greedy decoding in-process on the very weights and dtype the
    server loaded (for a quantized build, the same fake-quantized model), on --device: the served
    tokens are checked in one forward pass and `generate(do_sample=False)` runs on only from where
-   they leave the model's greedy path (parity.hf_reference). An autoregressive twin (same repository, speculation off) runs beside it and the two
-   are asked the same prompts in alternation, so the speed-up is measured on one noisy machine in
-   one run. Parity is exact where the served dtype allows, else by the near-tie rule.
+   they leave the model's greedy path (parity.hf_reference). An autoregressive twin (same
+   repository, speculation off) runs beside it and the two are asked the same prompts in
+   alternation, so the speed-up is measured on one noisy machine in one run. Parity is exact where
+   the served dtype allows, else by the near-tie rule.
 c. fidelity: the served answers against the user's original model (the resolved base checkpoint in
    its own dtype, unquantized): how much quantization and the deployment dtype change the output,
    apart from speculation. Reported, not judged: the user decides what is close enough.
