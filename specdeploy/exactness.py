@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from specdeploy.parity import greedy_path
@@ -53,8 +54,6 @@ def speculative_exactness(deployment: Path, prompts: list[list[int]], max_new_to
     in-flight batch, as served, drafting in every round whatever the deployment's spec_off_above)
     against plain greedy decoding of the same model; one row per prompt. In float64 a batch's
     shape or a forward's length moves logits by ~1e-16, far below any margin."""
-    import torch
-
     from specdeploy.runtime.decoding import eos_token_ids
     from specdeploy.runtime.deployment import load_decoder
 

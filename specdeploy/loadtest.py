@@ -48,7 +48,7 @@ from specdeploy.fileio import atomic_write_json
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.runtime.types import acceptance_length
-from specdeploy.verify import DEPLOYMENT, autoregressive_twin, parity_rule, served_forwards
+from specdeploy.verify import DEPLOYMENT, Reference, autoregressive_twin, parity_rule, served_forwards
 
 STAGE, OUT = "loadtest", "loadtest"
 SPEC, AR = "speculative", "autoregressive"
@@ -324,10 +324,10 @@ def disputed_outputs(figures: list[dict[str, Any]], expected: dict[int, str]) ->
     return sorted(disputed)
 
 
-def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], reference: Any, max_tokens: int,
+def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], reference: Reference, max_tokens: int,
                     near_tie: float) -> dict[str, Any]:
     """verify's near-tie rule for each disputed output: the reference's greedy answer, or parting
-    from it where the reference's top-2 logit margin is <= near_tie. `reference`: verify.Reference."""
+    from it where the reference's top-2 logit margin is <= near_tie."""
     from tqdm import tqdm
 
     from specdeploy.parity import compare, hf_reference, parity_holds
