@@ -8,7 +8,8 @@ import copy
 import torch
 from transformers import DynamicCache
 
-from specdeploy.attention import GQA_SDPA, use_gqa_sdpa
+from specdeploy.attention import CPU_SDPA, use_cpu_sdpa
+from specdeploy.attention import sdpa as attention_sdpa
 from specdeploy.models import load_causal_lm
 
 
@@ -30,9 +31,9 @@ def _masked_steps(model, dtype: torch.dtype) -> list[torch.Tensor]:
 def test_gqa_sdpa_equals_transformers_sdpa_bit_for_bit(tiny_llama_dir, monkeypatch):
     for dtype in ("float32", "float64", "bfloat16"):
         reference = load_causal_lm(tiny_llama_dir, dtype=dtype)
-        fast = use_gqa_sdpa(copy.deepcopy(reference))
+        fast = use_cpu_sdpa(copy.deepcopy(reference))
         attention = fast.model.layers[0].self_attn
-        assert attention.num_key_value_groups > 1 and attention.config._attn_implementation == GQA_SDPA
+        assert attention.num_key_value_groups > 1 and attention.config._attn_implementation == CPU_SDPA
         assert reference.model.layers[0].self_attn.config._attn_implementation == "sdpa"
         assert fast.config._attn_implementation == "sdpa"  # masks are still built for sdpa
 
@@ -46,3 +47,35 @@ def test_gqa_sdpa_equals_transformers_sdpa_bit_for_bit(tiny_llama_dir, monkeypat
         monkeypatch.undo()
         # transformers copied K/V per head (never grouped); the fast path read them grouped
         assert grouped.count(True) == 2 * fast.config.num_hidden_layers and grouped.count(False) == grouped.count(True)
+
+
+def _attention(dtype: torch.dtype, masked_value: float = 0.0):
+    """One query per row over grouped K/V whose masked columns hold `masked_value`: a mask that
+    is not applied shows in the output."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 6, 1, 16, generator=generator)
+    key, value = torch.randn(2, 3, 2, 40, 16, generator=generator)
+    allowed = torch.rand(3, 1, 1, 40, generator=generator) > 0.3
+    allowed[..., -1] = True
+    value = value.masked_fill(~allowed[:, :, 0, :, None], masked_value)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return [t.to(dtype) for t in (query, key, value, mask)]
+
+
+def test_a_single_reduced_precision_query_runs_as_two_rows_as_accurately(monkeypatch):
+    queries = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: queries.append(q.shape[-2]) or sdpa(q, *a, **kw))
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    reference = _attention(torch.float64, masked_value=1e4)
+    expected = sdpa(*reference[:3], attn_mask=reference[3], enable_gqa=True).transpose(1, 2)
+    for dtype, rows in ((torch.bfloat16, 2), (torch.float32, 1)):
+        queries.clear()
+        query, key, value, mask = _attention(dtype, masked_value=1e4)
+        out, _ = attention_sdpa(module, query, key, value, mask)
+        assert queries == [rows], dtype
+        assert out.shape == (3, 1, 6, 16) and out.dtype == dtype
+        # masked columns hold 1e4: any leak would be far outside bf16's rounding
+        assert torch.allclose(out.double(), expected, atol=2e-2), dtype

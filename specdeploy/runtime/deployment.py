@@ -27,10 +27,10 @@ from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams,
 def load_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """The target model on `device` and its tokenizer (the one switch point to specdeploy.models),
     its grouped-query attention reading the KV cache in place (specdeploy.attention)."""
-    from specdeploy.attention import use_gqa_sdpa
+    from specdeploy.attention import use_cpu_sdpa
     from specdeploy.models import load_causal_lm, load_tokenizer
 
-    return use_gqa_sdpa(load_causal_lm(path, dtype=dtype, device=str(device))), load_tokenizer(path)
+    return use_cpu_sdpa(load_causal_lm(path, dtype=dtype, device=str(device))), load_tokenizer(path)
 
 
 class TextStream:

@@ -236,11 +236,11 @@ def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device,
     """Load the base once and write each shard as soon as it is made."""
     from tqdm import tqdm
 
-    from specdeploy.attention import use_gqa_sdpa
+    from specdeploy.attention import use_cpu_sdpa
     from specdeploy.models import load_tokenizer
 
     # padded batches attend with a mask: read grouped K/V in place (the same bits, ~20% less time here)
-    model = use_gqa_sdpa(load_base(model_dir, dtype, device=device, device_map=device_map,
+    model = use_cpu_sdpa(load_base(model_dir, dtype, device=device, device_map=device_map,
                                    trust_remote_code=trust_remote_code))
     tokenizer = load_tokenizer(model_dir)
     bar = tqdm(total=sum(len(job.items) for job in jobs), desc="self-distillation", unit="sample")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdeploy.attention import use_cpu_sdpa
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.kv_cache import crop
 from specdeploy.runtime.proposers.head import restricted_head
@@ -146,7 +147,8 @@ def build(
             raise SpecDeployError("the draft proposer needs a draft model", hint="set draft_model_dir (--draft)")
         from specdeploy.models import load_causal_lm, load_tokenizer
 
-        draft_model = load_causal_lm(draft_model_dir, dtype=str(target.dtype).removeprefix("torch."), device=device)
+        draft_model = use_cpu_sdpa(load_causal_lm(draft_model_dir, dtype=str(target.dtype).removeprefix("torch."),
+                                                  device=device))
         draft_tokenizer = draft_tokenizer or load_tokenizer(draft_model_dir)
     elif model_device(draft_model) != device:
         draft_model = draft_model.to(device)

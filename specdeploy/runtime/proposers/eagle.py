@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specdeploy.attention import use_cpu_sdpa
 from specdeploy.choices import DEFAULT_TREE_10, ChoicesTree, validate_choices
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.kv_cache import cache_layers
@@ -482,7 +483,7 @@ def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: i
     skeleton = load_module_model(target.config, "eagle", modelopt_config, spec_dir, dtype=dtype, seed=seed)
     layers = config.get("hidden_layers") or eagle_spec.hidden_layers(target.config.num_hidden_layers)
     # beside the target's embeddings, which it reads every round (the skeleton's base stays behind)
-    return skeleton.eagle_module.to(model_device(target)), tuple(layers), config
+    return use_cpu_sdpa(skeleton.eagle_module.to(model_device(target))), tuple(layers), config
 
 
 def build(
