@@ -63,7 +63,9 @@ DEFINITIONS = {
     "acceptance_length": ("TensorRT-LLM's: (accepted draft tokens + 1 per target forward) / target forwards, prefill not "
                           "counted, summed over the level's requests, from the server's total_accepted_draft_tokens"),
     "speedup": "speculative output tokens/s / autoregressive output tokens/s at the same concurrency",
-    "break_even_concurrency": "the first level whose speed-up is below 1 (null: speculation pays at every level swept)",
+    "pass_speedups": "the same ratio in each pass (the two arms ran back to back in every pass)",
+    "break_even_concurrency": ("the first level where speculation lost in every pass: one pass's loss is within this "
+                               "machine's noise (null: no such level in the sweep)"),
     "spec_off_above": ("the deployment setting the curve suggests: the last level before break-even (0 when speculation "
                        "does not pay at the first level; null when it pays at every level): larger in-flight batches "
                        "then decode plainly"),
@@ -189,7 +191,7 @@ def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[in
     return done, time.perf_counter() - started
 
 
-Results = dict[str, dict[int, tuple[list[Timed], float]]]  # arm -> concurrency -> (requests, wall s)
+Results = dict[str, dict[int, tuple[list[Timed], list[float]]]]  # arm -> concurrency -> (requests, wall s per pass)
 
 
 @dataclass
@@ -211,8 +213,9 @@ class Sweep:
 
 def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print) -> Results:
     """Every level for every arm in `plan.passes` passes, the arms' order alternating from pass to
-    pass and level to level; a level's passes pool (requests joined, wall times added). The first
-    reference-arm level is preceded by a solo pass when the sweep has no concurrency 1 (key 0)."""
+    pass and level to level; a level's passes pool (requests joined in pass order, a wall time per
+    pass). The first reference-arm level is preceded by a solo pass when the sweep has no
+    concurrency 1 (key 0)."""
     clients = {arm: [TritonLLMClient(url) for _ in range(plan.levels[-1])] for arm, url in urls.items()}
     arrivals = arrival_times(plan.requests, plan.rate, plan.seed)
     results: Results = {arm: {} for arm in urls}
@@ -223,14 +226,15 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print)
         reference = list(urls)[-1]
         if plan.levels[0] != 1:
             solo = list(range(len(plan.prompts)))
-            results[reference][0] = run_level(clients[reference][:1], plan.prompts, solo, plan.max_tokens, [0.0] * len(solo))
+            timed, wall = run_level(clients[reference][:1], plan.prompts, solo, plan.max_tokens, [0.0] * len(solo))
+            results[reference][0] = (timed, [wall])
         for n, level in enumerate(plan.levels):
             for p in range(plan.passes):
                 for arm in list(urls)[:: 1 if (n + p) % 2 == 0 else -1]:
                     timed, wall = run_level(clients[arm][:level], plan.prompts, plan.order, plan.max_tokens,
                                             arrivals)
-                    before, spent = results[arm].get(level, ([], 0.0))
-                    results[arm][level] = (before + timed, spent + wall)
+                    before, walls = results[arm].get(level, ([], []))
+                    results[arm][level] = (before + timed, walls + [wall])
                     say(f"concurrency {level}, pass {p + 1}/{plan.passes}: {arm} done in {wall:.1f} s")
     finally:
         for pool in clients.values():
@@ -261,13 +265,17 @@ def measure(timed: Timed, tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def summarize_level(rows: list[dict[str, Any]], wall_s: float, expected: dict[int, str]) -> dict[str, Any]:
-    """One arm at one level. `identical`: outputs equal to their prompt's solo output."""
+def summarize_level(rows: list[dict[str, Any]], walls: list[float], expected: dict[int, str]) -> dict[str, Any]:
+    """One arm at one level (`rows` pass after pass, a wall time per pass). `identical`: outputs
+    equal to their prompt's solo output."""
     ok = [r for r in rows if r["error"] is None]
-    tokens = sum(r["tokens"] for r in ok)
+    tokens, wall_s = sum(r["tokens"] for r in ok), sum(walls)
+    per_pass = len(rows) // len(walls)
     return {
         "requests": len(rows), "errors": len(rows) - len(ok), "error_messages": [r["error"] for r in rows if r["error"]][:10],
         "wall_s": wall_s, "output_tokens": tokens, "output_tokens_per_s": tokens / wall_s, "requests_per_s": len(ok) / wall_s,
+        "pass_tokens_per_s": [sum(r["tokens"] for r in rows[i * per_pass:(i + 1) * per_pass] if r["error"] is None) / wall
+                              for i, wall in enumerate(walls)],
         "ttft_s": percentiles([r["ttft_s"] for r in ok]),
         "tpot_s": percentiles([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
         "itl_s": percentiles([gap for r in ok for gap in r["itl_s"]]),
@@ -294,9 +302,12 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
         entry: dict[str, Any] = {"concurrency": level}
         for arm in results:
             entry[arm] = summarize_level(rows[arm][level], results[arm][level][1], expected)
-        both = SPEC in entry and AR in entry and entry[AR]["output_tokens_per_s"] > 0
+        both = SPEC in entry and AR in entry and min(entry[AR]["pass_tokens_per_s"]) > 0
         entry["speedup"] = entry[SPEC]["output_tokens_per_s"] / entry[AR]["output_tokens_per_s"] if both else None
+        entry["pass_speedups"] = ([spec / ar for spec, ar in zip(entry[SPEC]["pass_tokens_per_s"], entry[AR]["pass_tokens_per_s"])]
+                                  if both else None)
         report_levels.append(entry)
+    best_pass = [None if e["pass_speedups"] is None else max(e["pass_speedups"]) for e in report_levels]
     figures = [entry[arm] for entry in report_levels for arm in results]
     solo_errors = sum(r["error"] is not None for r in rows[reference].get(0, []))  # the solo pass, when there was one
     errors = sum(f["errors"] for f in figures) + solo_errors
@@ -305,8 +316,9 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
     return {
         "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
         "solo_reference": rows[reference].get(0),
-        "break_even_concurrency": break_even(levels, [e["speedup"] for e in report_levels]),
-        "spec_off_above": suggested_spec_off_above(levels, [e["speedup"] for e in report_levels]),
+        # a level stops paying only where speculation lost in every pass
+        "break_even_concurrency": break_even(levels, best_pass),
+        "spec_off_above": suggested_spec_off_above(levels, best_pass),
         "errors": errors, "mismatches": mismatches, "near_tie": near_tie,
         "ok": errors == 0 and (mismatches == 0 or rule != "exact") and (near_tie is None or near_tie["ok"]),
     }
@@ -384,11 +396,19 @@ def table(report: dict[str, Any], title: str) -> Table:
     for entry in report["levels"]:
         for arm in report["arms"]:
             f = entry[arm]
-            speedup = f"{entry['speedup']:.2f}x" if arm == SPEC and entry["speedup"] is not None else ""
+            speedup = speedup_cell(entry) if arm == SPEC else ""
             out.add_row(str(entry["concurrency"]), arm, f"{f['output_tokens_per_s']:.1f}", f"{f['requests_per_s']:.2f}",
                         ms(f["ttft_s"]), ms(f["tpot_s"]), ms(f["itl_s"]), f"{f['acceptance_length']:.2f}",
                         f"{f['identical']}/{f['compared']}", str(f["errors"]), speedup)
     return out
+
+
+def speedup_cell(entry: dict[str, Any]) -> str:
+    """'1.08x', and the passes' range where there were several: '1.08x (0.97-1.19)'."""
+    if entry["speedup"] is None:
+        return ""
+    passes = entry["pass_speedups"]
+    return f"{entry['speedup']:.2f}x" + (f" ({min(passes):.2f}-{max(passes):.2f})" if len(passes) > 1 else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +527,8 @@ def main(args: argparse.Namespace) -> int:
     if all(s is not None for s in curve):
         point = report["break_even_concurrency"]
         print(f"break-even concurrency: {point if point is not None else 'none in the sweep'} "
-              f"(speed-up {' '.join(f'{s:.2f}' for s in curve)} at concurrency {' '.join(map(str, levels))})")
+              f"(speed-up {' '.join(f'{s:.2f}' for s in curve)} at concurrency {' '.join(map(str, levels))}; "
+              "a level stops paying where speculation lost in every pass)")
         print(suggestion(report["spec_off_above"]))
     print(f"ITL: {DEFINITIONS['itl_s']}")
     print(f"report: {build.path(OUT)}/loadtest.json, loadtest.png")

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from specdeploy import models
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
-from specdeploy.loadtest import (AR, SPEC, arrival_times, chunk_tokens, count_tokens, disputed_outputs, inter_token_gaps,
-                                 judge_near_ties, parse_levels, percentiles, verdict)
+from specdeploy.loadtest import (AR, SPEC, Timed, arrival_times, build_report, chunk_tokens, count_tokens, disputed_outputs,
+                                 inter_token_gaps, judge_near_ties, parse_levels, percentiles, speedup_cell, verdict)
 from specdeploy.parity import hf_reference
 from specdeploy.verify import load_reference
 from specdeploy.manifest import BuildDir
@@ -66,6 +66,31 @@ def test_spec_off_above_is_the_last_paying_level_before_break_even():
     assert suggested_spec_off_above([1, 2, 4], [1.4, 1.2, 1.01]) is None  # pays everywhere: always speculate
     assert suggested_spec_off_above([1, 2, 4, 8], [0.7, 0.9, 1.1, 1.2]) == 0  # not even alone
     assert suggested_spec_off_above([1, 2, 3, 4], [1.3, 1.04, 1.09, 0.8], pays=1.05) == 1  # a gain within the margin stops it
+
+
+def test_a_level_stops_paying_only_where_speculation_lost_in_every_pass(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = "def add(a, b):\n    return a + b\n"
+    tokens = count_tokens(tokenizer, text)
+
+    def level(walls: list[float]) -> tuple[list[Timed], list[float]]:  # 2 requests per pass
+        return [Timed(0, 0.0, latency_s=0.5, chunk_s=[0.1], chunks=[text]) for _ in range(2 * len(walls))], walls
+
+    # level 2: pooled 0.95x but the second pass won; level 4: lost in both passes
+    results = {SPEC: {1: level([1.0, 1.0]), 2: level([1.15, 0.95]), 4: level([1.25, 1.2])},
+               AR: {1: level([1.2, 1.2]), 2: level([1.0, 1.0]), 4: level([1.0, 1.0])}}
+    report = build_report(results, tokenizer, [1, 2, 4], "exact")
+    two = report["levels"][1]
+    assert two["speedup"] == pytest.approx(2.0 / 2.1) and two["speedup"] < 1
+    assert two["pass_speedups"] == pytest.approx([1 / 1.15, 1 / 0.95])
+    assert two[SPEC]["pass_tokens_per_s"] == pytest.approx([2 * tokens / 1.15, 2 * tokens / 0.95])
+    assert report["break_even_concurrency"] == 4 and report["spec_off_above"] == 2
+    assert speedup_cell(two) == "0.95x (0.87-1.05)"
+    # one pass alone: its loss is all there is to go by
+    one_pass = {arm: {n: (timed[:2], walls[:1]) for n, (timed, walls) in by_level.items()} for arm, by_level in results.items()}
+    report = build_report(one_pass, tokenizer, [1, 2, 4], "exact")
+    assert report["break_even_concurrency"] == 2 and report["spec_off_above"] == 1
+    assert speedup_cell(report["levels"][1]) == "0.87x"
 
 
 def test_levels_parse_and_bad_levels_are_refused():
