@@ -197,6 +197,50 @@ def test_eagle_batched_drafts_equal_solo_drafts(tiny_llama_dir, options, monkeyp
         fed = [c if n else f for c, f, n in zip(consumed, fed, asks)]
 
 
+@pytest.mark.parametrize("options", BATCH_CASES[:2], ids=[case["mode"] for case in BATCH_CASES[:2]])
+def test_a_request_joining_a_batch_takes_in_its_prompt_alone(tiny_llama_dir, options):
+    """A request that joins a running batch with a long prompt feeds it in a forward of its own, so
+    the batch's forward is not padded to the prompt for every row; every draft still equals its
+    request's solo draft (float64)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdeploy.runtime.proposers.eagle import CATCH_UP
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float64).eval()
+    base = build_proposer("eagle", target, **options)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weight in base.module.parameters():
+            weight.normal_(0.0, 0.3)
+    prompts = [PROMPTS[0], PROMPTS[1], (PROMPTS[2] * 4)[: CATCH_UP + 12]]
+    full = [torch.tensor([p + generate(target, p, SamplingParams(max_new_tokens=6)).token_ids]) for p in prompts]
+    with torch.no_grad():
+        hidden = [target(tokens[:, :-1], output_hidden_states=True).hidden_states for tokens in full]
+
+    def state(i: int, consumed: int, fed: int) -> TargetState:
+        return TargetState(tokens=full[i][:, : consumed + 1],
+                           hidden={layer: hidden[i][layer][:, fed:consumed] for layer in base.hidden_layers})
+
+    solo, batched = [base.fork() for _ in prompts], [base.fork() for _ in prompts]
+    first = [state(0, len(prompts[0]), 0), state(1, len(prompts[1]), 0)]
+    base.propose_batch(batched[:2], first, [6, 6])
+    for p, s in zip(solo, first):
+        _alone(p, s, 6)
+    # the first two accepted 1 and 2 tokens; the third joins with its whole prompt
+    states = [state(0, len(prompts[0]) + 1, len(prompts[0])), state(1, len(prompts[1]) + 2, len(prompts[1])),
+              state(2, len(prompts[2]), 0)]
+    forwards = []  # (rows, new positions) of each module forward
+    forward = base.module.forward
+    base.module.forward = lambda hidden, *a, **k: forwards.append(tuple(hidden.shape[:2])) or forward(hidden, *a, **k)
+    together = base.propose_batch(batched, states, [6, 6, 6])
+    base.module.forward = forward
+    alone = [_alone(p, s, 6) for p, s in zip(solo, states)]
+    assert [(t.tokens.tolist(), t.parents) for t in together] == [(t.tokens.tolist(), t.parents) for t in alone]
+    assert sum(len(t) for t in together) > 0
+    assert (1, len(prompts[2]) - 1) in forwards  # the joining prompt, alone
+    assert all(q <= CATCH_UP for rows, q in forwards if rows > 1), forwards
+
+
 def _alone(proposer, state, max_tokens):
     """One request's draft; a dynamic tree grown node by node on its own cache (`_expand`), the
     path the batched one must agree with."""

@@ -12,15 +12,16 @@ module's own KV cache), then drafts autoregressively from its own output feature
 Every depth is one small forward over that depth's expanded nodes with a tree mask over the
 module's cache; draft entries are cropped from the cache before returning. An in-flight batch
 drafts together (`propose_batch`): one forward ingests every request's new positions (rows padded
-and masked, each request keeping its own cache), chains then go depth by depth for the whole
-batch; dynamic trees grow together too (each depth's expansions of every request in one forward);
+and masked, each request keeping its own cache; a request that just joined takes in its prompt
+alone first, so the others are not padded to its length), chains then go depth by depth for the
+whole batch; dynamic trees grow together too (each depth's expansions of every request in one forward);
 static trees expand request by request.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +37,9 @@ MODES = ("chain", "static", "dynamic")
 MAX_DEPTH = 8
 TREE_BUDGETS = (4, 6, 8, 10, 12, 16)  # the dynamic tree sizes the planner weighs against chains
 DEFAULT_BUDGET = 10  # dynamic tree nodes kept (bf16 verify of <= ~10 tokens ~ one decode step here)
+# new positions above which a request in a batch takes them in alone first: a round adds at most
+# MAX_DEPTH + 1, a prompt (a request joining a running batch) usually far more
+CATCH_UP = 2 * (MAX_DEPTH + 1)
 
 
 @dataclass
@@ -182,7 +186,8 @@ class EagleProposer(Proposer):
             return trees
         if any(proposers[i].module is not proposers[rows[0]].module for i in rows):
             return Proposer.propose_batch(proposers, states, max_tokens)  # not forks of one proposer
-        batch = _ingest_many([proposers[i] for i in rows], [states[i] for i in rows])
+        drafting = [proposers[i] for i in rows]
+        batch = _ingest_many(drafting, _caught_up(drafting, [states[i] for i in rows]))
         chains = [r for r, i in enumerate(rows) if proposers[i].mode == "chain"]
         if chains:
             lengths = [min(max_tokens[rows[r]], proposers[rows[r]].chain_len) for r in chains]
@@ -335,6 +340,22 @@ def _ingest_many(proposers: list[EagleProposer], states: list[TargetState]) -> _
     last, every = lengths - 1, torch.arange(len(feeds), device=device)
     valid = torch.cat([valid, block[every, last]], dim=1)
     return _Batch(cache, valid, lead._logp(post[every, last]), pre[every, last], [feed.consumed for feed in feeds])
+
+
+def _caught_up(proposers: list[EagleProposer], states: list[TargetState]) -> list[TargetState]:
+    """In a batch, a request with more than CATCH_UP new positions feeds all but its last alone
+    (one forward of its own), so the batch's forward is not padded to a prompt's length for every
+    row: at concurrency 8 a request joins every few rounds. The states left for the batch."""
+    if len(proposers) == 1:
+        return states
+    left = []
+    for p, state in zip(proposers, states):
+        if min(state.hidden[p.hidden_layers[0]].shape[1], state.tokens.shape[1] - 1) > CATCH_UP:
+            _ingest_many([p], [replace(state, tokens=state.tokens[:, :-1],
+                                       hidden={layer: h[:, :-1] for layer, h in state.hidden.items()})])
+            state = replace(state, hidden={layer: h[:, -1:] for layer, h in state.hidden.items()})
+        left.append(state)
+    return left
 
 
 def _stacked_caches(proposers: list[EagleProposer]) -> tuple[Any, torch.Tensor]:
