@@ -6,10 +6,10 @@
    grouped K/V in place (enable_gqa) with the same bits (tests), and the copy of the whole cache
    was a large part of a batched decode step here.
 2. For a single query in bfloat16/float16 (every plain decode step) torch 2.13's CPU kernel
-   takes a path 1.5-2x slower per call than two queries do (measured here: 444 vs 248 us at batch
-   8 x 100 columns). The query is run as two identical rows and one kept: the same accuracy
-   (against float64, over a served generation: about as many calls closer as farther, mean error equal
-   to 1e-8), but not always the same bits, as the two paths round a few elements apart.
+   takes a path 1.5-2x slower per call than two queries do (measured here: 444 vs 248 us at
+   batch 8 x 100 columns). The query runs as two identical rows and one is kept: as accurate
+   against float64 (over a served generation, about as many calls closer as farther, the mean
+   error equal to 1e-8), but not always the same bits: the two paths round a few elements apart.
 Selected per attention module, like the K/V quantizing variant in quantize.loader, so the model's
 own config (masks, callers) stays "sdpa".
 """
@@ -28,8 +28,9 @@ CPU_SDPA = "specdeploy_sdpa"
 def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
          **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """An attention function with transformers' signature; transformers' own "sdpa" wherever it
-    does not copy K/V (no mask, no grouping) or where its copy is the faster path (CUDA)."""
+    """An attention function with transformers' signature: a single reduced-precision query on
+    the CPU as two rows; else transformers' own "sdpa" wherever it does not copy K/V (no mask, no
+    grouping) or where its copy is the faster path (CUDA)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if _slow_single_query(query) and "position_bias" not in kwargs:

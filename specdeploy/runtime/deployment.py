@@ -26,7 +26,7 @@ from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams,
 
 def load_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """The target model on `device` and its tokenizer (the one switch point to specdeploy.models),
-    its grouped-query attention reading the KV cache in place (specdeploy.attention)."""
+    its attention through specdeploy.attention's CPU sdpa (faster on the CPU, the same elsewhere)."""
     from specdeploy.attention import use_cpu_sdpa
     from specdeploy.models import load_causal_lm, load_tokenizer
 
