@@ -33,19 +33,15 @@ def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch
     grouping) or where its copy is the faster path (CUDA)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if _slow_single_query(query) and "position_bias" not in kwargs:
+    cpu = query.device.type == "cpu" and "position_bias" not in kwargs
+    if cpu and query.shape[-2] == 1 and query.dtype in (torch.bfloat16, torch.float16):
         return _single_query(query, key, value, attention_mask, dropout, scaling), None
-    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
-            or "position_bias" in kwargs):
+    if not cpu or attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, **kwargs)
     out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                                      scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _slow_single_query(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and query.shape[-2] == 1 and query.dtype in (torch.bfloat16, torch.float16)
 
 
 def _single_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

@@ -342,13 +342,11 @@ def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], referen
     from it where the reference's top-2 logit margin is <= near_tie."""
     from tqdm import tqdm
 
-    from specdeploy.parity import compare, hf_reference, parity_holds
+    from specdeploy.parity import parity_holds
 
     rows = []
     for index, text in tqdm(disputed, desc="near-tie check", unit="output"):
-        ref = hf_reference(reference.model, reference.tokenizer, reference.ids(prompts[index]), max_tokens,
-                           guess=text, complete=False)
-        result = compare(prompts[index], ref, text, reference.tokenizer)
+        _, result = reference.check(prompts[index], text, max_tokens, complete=False)
         rows.append({"prompt": index, "match": result.match, "first_divergence_token": result.first_divergence_token,
                      "margin_at_divergence": result.margin_at_divergence, "ok": parity_holds(result, False, near_tie)})
     margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]

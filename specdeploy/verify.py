@@ -55,6 +55,7 @@ from specdeploy.exactness import speculative_exactness
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.parity import ParityResult, compare, hf_reference, parity_holds
+from specdeploy.parity import Reference as Greedy  # verify's Reference is the model that computes it
 from specdeploy.runtime.types import acceptance_length
 
 STAGE, OUT = "verify", "reports"
@@ -153,6 +154,12 @@ class Reference(NamedTuple):
 
         return torch.tensor([self.tokenizer(text)["input_ids"]], device=model_device(self.model))
 
+    def check(self, prompt: str, served: str, max_new_tokens: int, *, complete: bool = True) -> tuple[Greedy, ParityResult]:
+        """The greedy reference for `prompt`, checked along the served answer (parity.hf_reference;
+        `complete` False stops where they part), and how the served answer compares with it."""
+        ref = hf_reference(self.model, self.tokenizer, self.ids(prompt), max_new_tokens, guess=served, complete=complete)
+        return ref, compare(prompt, ref, served, self.tokenizer)
+
 
 def load_reference(model_dir: Path, dtype: str, device: str, role: str = "reference") -> Reference:
     from specdeploy.device import announce, resolve_device
@@ -168,9 +175,8 @@ def fidelity(original: Reference, prompts: list[Prompt], rows: list[dict[str, An
     """Greedy agreement of the served answers (`rows`) with the user's original model."""
     agreement = []
     for prompt, row in zip(prompts, rows):
-        ref = hf_reference(original.model, original.tokenizer, original.ids(prompt.text_input), max_new_tokens,
-                           guess=row["served"], complete=False)  # where they part is all this report needs
-        result = compare(prompt.text_input, ref, row["served"], original.tokenizer)
+        # where they part is all this report needs
+        ref, result = original.check(prompt.text_input, row["served"], max_new_tokens, complete=False)
         agreement.append({"category": prompt.category, "identical": result.match, "tokens_checked": len(ref.token_ids),
                           "first_divergence_token": result.first_divergence_token})
     differing = [a["first_divergence_token"] for a in agreement if not a["identical"]]
@@ -198,8 +204,7 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Re
         served = spec.generate(request, stream=target.stream)
         if ar and not i % 2:
             baseline = ar.generate(request, stream=True)
-        ref = hf_reference(reference.model, reference.tokenizer, reference.ids(prompt), max_new_tokens, guess=served.text)
-        parity = compare(prompt, ref, served.text, reference.tokenizer)
+        ref, parity = reference.check(prompt, served.text, max_new_tokens)
         tokens = len(ref.token_ids) if parity.match else _count_tokens(reference.tokenizer, served.text)
         ar_tokens = None if baseline is None else tokens if baseline.text == served.text else _count_tokens(reference.tokenizer, baseline.text)
         accepted = int(served.perf.get("total_accepted_draft_tokens", 0))

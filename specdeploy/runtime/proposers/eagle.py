@@ -306,11 +306,16 @@ class _Feed(NamedTuple):
     consumed: int
 
 
+def _new_positions(p: EagleProposer, state: TargetState) -> int:
+    """Positions the target consumed whose states `state` hands over (at most all but the pending token)."""
+    return min(state.hidden[p.hidden_layers[0]].shape[1], state.tokens.shape[1] - 1)
+
+
 def _feed(p: EagleProposer, state: TargetState) -> _Feed:
     tokens = state.tokens[0]
     consumed = len(tokens) - 1
     aux = torch.cat([state.hidden[layer][0].to(p.device) for layer in p.hidden_layers], dim=-1)
-    n_new = min(aux.shape[0], consumed)
+    n_new = _new_positions(p, state)
     if n_new > consumed - p.fed_until:  # a new request, or states we have already seen
         p.reset()
     p.cache.crop(p.cache_len)
@@ -350,7 +355,7 @@ def _caught_up(proposers: list[EagleProposer], states: list[TargetState]) -> lis
         return states
     left = []
     for p, state in zip(proposers, states):
-        if min(state.hidden[p.hidden_layers[0]].shape[1], state.tokens.shape[1] - 1) > CATCH_UP:
+        if _new_positions(p, state) > CATCH_UP:
             _ingest_many([p], [replace(state, tokens=state.tokens[:, :-1],
                                        hidden={layer: h[:, :-1] for layer, h in state.hidden.items()})])
             state = replace(state, hidden={layer: h[:, -1:] for layer, h in state.hidden.items()})
