@@ -36,8 +36,10 @@ def _version() -> str:
 
     try:
         return metadata.version("specdeploy")
-    except metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH) without installing
-        return "(not installed)"
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, as in NVIDIA's containers
+        from specdeploy import __version__
+
+        return f"{__version__} (source tree, not installed)"
 
 
 def _parser(command: str | None) -> argparse.ArgumentParser:

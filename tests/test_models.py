@@ -137,14 +137,17 @@ def test_load_causal_lm_eval_sdpa(tiny_llama_dir):
 
 
 def test_load_causal_lm_places_the_model(tiny_llama_dir):
-    """device "auto" is the CPU here; device_map "auto" (accelerate) the same numbers."""
+    """device "auto" is the GPU where torch sees one, else the CPU; device_map "auto" (accelerate)
+    the same numbers."""
     ids = torch.tensor([[1, 5, 9, 30]])
     model = models.load_causal_lm(tiny_llama_dir, device="auto")
-    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    where = {p.device.type for p in model.parameters()}
+    assert where == ({"cuda"} if torch.cuda.is_available() else {"cpu"})
     spread = models.load_causal_lm(tiny_llama_dir, device_map="auto")
     assert not spread.training
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, spread(ids).logits)
+        logits = model(ids.to(next(model.parameters()).device)).logits
+        torch.testing.assert_close(logits, spread(ids.to(spread.device)).logits, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -399,6 +399,11 @@ def test_quantize_spec_fp8_medusa_heads_and_acceptance_report(tmp_path, tiny128_
         acceptance["counts"]["unquantized_pair"]["accepted_draft_tokens"], acceptance["counts"]["unquantized_pair"]["target_forwards"])
 
 
+def _stage_device(build: BuildDir) -> str:
+    """The device the quantize stage computed on ("cuda:0 (NVIDIA ...)" -> "cuda:0")."""
+    return build.record("quantize")["device"].split()[0]
+
+
 def _recount_acceptance(build: BuildDir, prompts: int, max_new_tokens: int) -> tuple[int, int]:
     """(accepted draft tokens, target forwards) of the unquantized pair, counted here with the
     runtime directly: the report's figure must come from exactly these counts."""
@@ -407,7 +412,7 @@ def _recount_acceptance(build: BuildDir, prompts: int, max_new_tokens: int) -> t
     from specdeploy.runtime.proposers import build_proposer
     from specdeploy.runtime.types import SamplingParams
 
-    base = models.load_causal_lm(build.path("base"), "bfloat16")
+    base = models.load_causal_lm(build.path("base"), "bfloat16", device=_stage_device(build))
     proposer = build_proposer("medusa", base, spec_dir=build.path("spec"))
     accepted = forwards = 0
     for ids in report_prompts(models.load_tokenizer(build.path("base")), prompts):
@@ -420,7 +425,7 @@ def _recount_acceptance(build: BuildDir, prompts: int, max_new_tokens: int) -> t
 
 
 def test_stage_records_its_device(fp8_build):
-    assert fp8_build.record("quantize")["device"].startswith("cpu")  # auto on a host without CUDA
+    assert fp8_build.record("quantize")["device"].startswith("cuda" if torch.cuda.is_available() else "cpu")  # auto
     assert "device" not in fp8_build.record("quantize")["settings"]  # a build stays complete on another host
 
 
@@ -465,13 +470,13 @@ def test_placement_spreads_over_gpus_only_when_one_is_too_small(tmp_path, tiny12
 
 
 def test_quantized_checkpoint_loads_with_a_device_map(fp8_build):
-    """device_map (accelerate dispatch) gives the same numbers as a plain load: here every layer
-    lands on the CPU, on a multi-GPU host the same code spreads them."""
+    """device_map (accelerate dispatch) gives the same numbers as a plain load on the device it
+    picks: every layer on the CPU without CUDA, on the GPU with one; several GPUs share them."""
     out = fp8_build.path("quantized")
-    ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
     with torch.no_grad():
-        plain = models.load_causal_lm(out)(ids).logits
         mapped = models.load_causal_lm(out, device_map="auto")
+        ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]], device=mapped.device)
+        plain = models.load_causal_lm(out, device=mapped.device)(ids).logits
         assert isinstance(mapped.model.layers[0].mlp.down_proj, loader.QuantLinear)
         assert torch.equal(mapped(ids).logits, plain)
 

@@ -164,7 +164,8 @@ def _free_port() -> int:
 def test_torchrun_two_ranks_end_with_identical_weights(tiny_llama_dir, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(TINY=dict(TINY, num_prompts=6, distill_batch=3)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECDEPLOY_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep a container's own
+    env = {**os.environ, "PYTHONPATH": path, "SPECDEPLOY_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(_free_port()), str(script), str(tiny_llama_dir), str(tmp_path)],
