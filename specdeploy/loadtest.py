@@ -19,8 +19,8 @@ difference fails the run. Elsewhere a batch of another shape may round a near-ti
 and only the reference's logit margins tell that from a bug: every output that differs from its
 solo run, and that solo output, is checked against the Hugging Face reference on the served
 weights (verify's near-tie rule, one forward per distinct output, after the servers stop), and
-one that leaves the reference's greedy path where its top-2 margin exceeds --near-tie fails the
-run. Errors always fail.
+one that leaves the reference's greedy path where its top-2 margin exceeds the near-tie limit
+(measured on the served model as verify measures it, or --near-tie) fails the run. Errors always fail.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from specdeploy.fileio import atomic_write_json
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.runtime.types import acceptance_length
-from specdeploy.verify import DEPLOYMENT, Reference, autoregressive_twin, parity_rule, served_forwards
+from specdeploy.verify import (DEPLOYMENT, Reference, autoregressive_twin, measured_near_tie, parity_rule, round_tokens,
+                               served_forwards)
 
 STAGE, OUT = "loadtest", "loadtest"
 SPEC, AR = "speculative", "autoregressive"
@@ -337,21 +338,26 @@ def disputed_outputs(figures: list[dict[str, Any]], expected: dict[int, str]) ->
 
 
 def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], reference: Reference, max_tokens: int,
-                    near_tie: float) -> dict[str, Any]:
+                    near_tie: float | None, round_tokens: int = 1) -> dict[str, Any]:
     """verify's near-tie rule for each disputed output: the reference's greedy answer, or parting
-    from it where the reference's top-2 logit margin is <= near_tie."""
+    from it where the reference's top-2 logit margin is <= near_tie (None: measured as verify
+    measures it, over the disputed outputs with rounds of `round_tokens`)."""
     from tqdm import tqdm
 
     from specdeploy.parity import parity_holds
 
+    measured = None
+    if near_tie is None:
+        measured = measured_near_tie(reference, [(prompts[i], text) for i, text in disputed], max_tokens, round_tokens)
+        near_tie = measured["limit"]
     rows = []
     for index, text in tqdm(disputed, desc="near-tie check", unit="output"):
         _, result = reference.check(prompts[index], text, max_tokens, complete=False)
         rows.append({"prompt": index, "match": result.match, "first_divergence_token": result.first_divergence_token,
                      "margin_at_divergence": result.margin_at_divergence, "ok": parity_holds(result, False, near_tie)})
     margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]
-    return {"rule": f"each output the reference's greedy answer, or parting from it at a top-2 logit margin <= {near_tie}",
-            "near_tie": near_tie, "outputs": len(rows), "passed": sum(r["ok"] for r in rows),
+    return {"rule": f"each output the reference's greedy answer, or parting from it at a top-2 logit margin <= {near_tie:.3g}",
+            "near_tie": near_tie, "measured": measured, "outputs": len(rows), "passed": sum(r["ok"] for r in rows),
             "largest_margin": max(margins, default=None), "ok": all(r["ok"] for r in rows), "rows": rows}
 
 
@@ -428,9 +434,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Poisson arrivals at this many requests/s (open loop); default: all at once (closed loop)")
     parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per category (ShareGPT chat, HumanEval code)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    parser.add_argument("--near-tie", type=float, default=1.0,
+    parser.add_argument("--near-tie", type=float,
                         help="outside exact dtypes: an output that differs from its solo run passes when it leaves the "
-                             "reference's greedy path where the top-2 logit margin is <= this (as `verify --near-tie`)")
+                             "reference's greedy path where the top-2 logit margin is <= this (as `verify --near-tie`; "
+                             "default: measured on the served model, as verify does)")
     add_device_arg(parser)  # where the reference of the near-tie check computes
 
 
@@ -465,7 +472,7 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
 
     def judge(disputed: list[tuple[int, str]]) -> dict[str, Any]:
         reference = load_reference(model_dir, deployment["dtype"], args.device)
-        return judge_near_ties(disputed, prompts, reference, plan.max_tokens, args.near_tie)
+        return judge_near_ties(disputed, prompts, reference, plan.max_tokens, args.near_tie, round_tokens(deployment))
 
     twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:

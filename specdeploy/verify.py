@@ -54,7 +54,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.exactness import speculative_exactness
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
-from specdeploy.parity import ParityResult, compare, hf_reference, parity_holds
+from specdeploy.parity import NEAR_TIE, ParityResult, compare, hf_reference, margin_shift, parity_holds
 from specdeploy.parity import Reference as Greedy  # verify's Reference is the model that computes it
 from specdeploy.runtime.types import acceptance_length
 
@@ -161,6 +161,29 @@ class Reference(NamedTuple):
         return ref, compare(prompt, ref, served, self.tokenizer)
 
 
+def round_tokens(deployment: dict[str, Any]) -> int:
+    """The tokens one verify round of the deployment runs: the pending token and its draft."""
+    return (deployment.get("spec") or {}).get("max_draft_len", 0) + 1
+
+
+def measured_near_tie(reference: Reference, answers: list[tuple[str, str]], max_new_tokens: int,
+                      chunk: int) -> dict[str, Any]:
+    """The near-tie limit from the served numerics themselves: the largest top-2 margin shift
+    between the reference's one forward and rounds of `chunk` tokens over the served answers
+    ((prompt, answer) texts; parity.margin_shift), never under NEAR_TIE. The reference is the
+    served model (weights, dtype, fake quantization): this is how far its own rounding moves a
+    margin, speculation apart."""
+    shifts: list[float] = []
+    for prompt, text in answers:
+        answer = reference.tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        if answer:
+            shifts += margin_shift(reference.model, reference.ids(prompt), answer, chunk)
+    largest = max(shifts, default=0.0)
+    return {"limit": max(NEAR_TIE, largest), "largest_shift": largest, "positions": len(shifts), "round_tokens": chunk,
+            "rule": f"the largest top-2 logit margin shift between one forward and rounds of {chunk} tokens over the "
+                    f"served answers on the served model, at least {NEAR_TIE:g}"}
+
+
 def load_reference(model_dir: Path, dtype: str, device: str, role: str = "reference") -> Reference:
     from specdeploy.device import announce, resolve_device
     from specdeploy.models import load_causal_lm, load_tokenizer
@@ -251,14 +274,14 @@ def _runs(rows: list[dict[str, Any]]) -> list[tuple[int, float, int | None, floa
     return [(r["tokens"], r["latency_s"], r["ar_tokens"], r["ar_latency_s"]) for r in rows if r["speedup"]]
 
 
-def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float, measured: bool = False) -> dict[str, Any]:
     exact = rule == "exact"
     passed = [parity_holds(ParityResult(**{k: r[k] for k in ParityResult.__dataclass_fields__}), exact, near_tie) for r in rows]
     speedups = [r["speedup"] for r in rows if r["speedup"]]
     summary = {
         "prompts": len(rows),
         "dtype": dtype,
-        "parity_rule": "exact" if exact else f"near-tie (margin <= {near_tie})",
+        "parity_rule": "exact" if exact else f"near-tie (margin <= {near_tie:.3g}{', measured' if measured else ''})",
         "exact_match_rate": sum(r["match"] for r in rows) / len(rows),
         "parity_ok": all(passed),
         "divergences": [{"prompt": r["shown"][:80], "token": r["first_divergence_token"], "margin": r["margin_at_divergence"]}
@@ -299,6 +322,10 @@ def headlines(summary: dict[str, Any]) -> list[str]:
     lines.append(f"b. served ({summary['dtype']}): parity {'PASS' if summary['parity_ok'] else 'FAIL'} "
                  f"({summary['parity_rule']}; {summary['exact_match_rate']:.0%} identical), acceptance length "
                  f"{summary['acceptance_length']:.2f}{speed}")
+    tie = summary.get("near_tie_measured")
+    if tie:
+        lines.append(f"   near-tie limit {tie['limit']:.3g}: {tie['rule']} (largest {tie['largest_shift']:.3f} "
+                     f"over {tie['positions']} positions)")
     fid = summary.get("fidelity")
     if fid:
         where = "" if fid["mean_first_divergence_token"] is None else \
@@ -365,10 +392,10 @@ def _model_dir(build: BuildDir) -> Path:
 
 
 def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, url: str | None = None,
-           near_tie: float = 1.0, baseline: bool = True, device: str = "auto", server: str = "cpu",
+           near_tie: float | None = None, baseline: bool = True, device: str = "auto", server: str = "cpu",
            route: str | None = None) -> dict[str, Any]:
     """Run the checks; return the summary (also written to reports/, or reports_gpu/ for a
-    TensorRT-LLM server)."""
+    TensorRT-LLM server). `near_tie` None: measured on the served model (CPU), NEAR_TIE (TensorRT-LLM)."""
     if server == "trtllm":
         return _verify_trtllm(build, per_category=per_category, max_new_tokens=max_new_tokens, url=url,
                               near_tie=near_tie, device=device, route=route)
@@ -377,7 +404,8 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
     cpu_repo = build.path("triton_repo") / "cpu"
     if build.record("package") is None or not (cpu_repo / DEPLOYMENT).exists():
         raise SpecDeployError(f"no packaged repository in {build.root}", hint="run `make engine` (or `specdeploy package`) first")
-    settings = {"per_category": per_category, "max_new_tokens": max_new_tokens, "url": url, "near_tie": near_tie}
+    settings = {"per_category": per_category, "max_new_tokens": max_new_tokens, "url": url,
+                "near_tie": "measured" if near_tie is None else near_tie}
     deployment = json.loads((cpu_repo / DEPLOYMENT).read_text())
     dtype = deployment["dtype"]
     reference = load_reference((cpu_repo / DEPLOYMENT).parent / deployment["model_dir"], dtype, device)
@@ -405,7 +433,16 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
             rows = run_prompts(spec, ar, reference, prompts, max_new_tokens)
             seconds["served_and_reference"] = time.perf_counter() - start - seconds["servers_start"]
         shutil.rmtree(twin_dir.parent, ignore_errors=True)
-        summary = summarize(rows, dtype, parity_rule(dtype, quant), near_tie)
+        rule, tie = parity_rule(dtype, quant), None
+        if rule != "exact" and near_tie is None:
+            start = time.perf_counter()
+            answers = [(prompt.text_input, row["served"]) for prompt, row in zip(prompts, rows)]
+            tie = measured_near_tie(reference, answers, max_new_tokens, round_tokens(deployment))
+            seconds["near_tie"] = time.perf_counter() - start
+        limit = tie["limit"] if tie else NEAR_TIE if near_tie is None else near_tie
+        summary = summarize(rows, dtype, rule, limit, measured=tie is not None)
+        if tie:
+            summary["near_tie_measured"] = tie
         ids = [reference.ids(p.text_input)[0].tolist() for p in prompts]
         del reference  # one model in memory at a time
         from specdeploy.models import checkpoint_dtype
@@ -425,9 +462,11 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
     return summary
 
 
-def _verify_trtllm(build: BuildDir, *, per_category: int, max_new_tokens: int, url: str | None, near_tie: float,
+def _verify_trtllm(build: BuildDir, *, per_category: int, max_new_tokens: int, url: str | None, near_tie: float | None,
                    device: str, route: str | None) -> dict[str, Any]:
-    """Against a TensorRT-LLM server: float32 reference on `device`, the near-tie rule."""
+    """Against a TensorRT-LLM server: float32 reference on `device`, the near-tie rule (NEAR_TIE
+    unless given: the server's own rounding cannot be measured from here)."""
+    near_tie = NEAR_TIE if near_tie is None else near_tie
     from specdeploy.triton.package import gpu_routes
 
     if url is None:
@@ -460,9 +499,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--server trtllm: the GPU route served (default: the one gpu_routes.json recommends)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per category (chat, code); default 4")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--near-tie", type=float, default=1.0,
+    parser.add_argument("--near-tie", type=float,
                         help="where parity cannot be exact (bf16; fp32 with quantized activations; any TensorRT-LLM server): "
-                             "a divergence passes when the reference's top-2 logit margin there is <= this")
+                             "a divergence passes when the reference's top-2 logit margin there is <= this. Default: on the "
+                             "CPU deployment, measured (how far the served model's own rounding moves a margin between one "
+                             f"forward and a verify round's shape, at least {NEAR_TIE:g}); {NEAR_TIE:g} for TensorRT-LLM")
     parser.add_argument("--no-baseline", action="store_true", help="skip the autoregressive twin (no speed-up figure)")
     parser.add_argument("--ar-lower-bound", type=float, help="fail when the acceptance length is below this")
 

@@ -17,7 +17,7 @@ from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.loadtest import (AR, SPEC, Timed, arrival_times, build_report, chunk_tokens, count_tokens, disputed_outputs,
                                  inter_token_gaps, judge_near_ties, parse_levels, percentiles, speedup_cell, verdict)
-from specdeploy.parity import hf_reference
+from specdeploy.parity import NEAR_TIE, hf_reference
 from specdeploy.verify import load_reference
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
@@ -133,6 +133,10 @@ def test_the_near_tie_judge_passes_the_references_answer_and_fails_a_departure_a
     report = {"parity_rule": "near-tie", "mismatches": 5, "dtype": "bfloat16", "near_tie": strict}
     assert verdict(report).startswith("FAIL: 5 outputs differ") and "1/2 distinct outputs pass" in verdict(report)
     assert not verdict({**report, "near_tie": lenient}).startswith("FAIL")
+    # by default the limit is measured on the served model (float32 here: shifts far under the floor)
+    measured = judge_near_ties([(0, greedy.text)], prompts, reference, 7, near_tie=None, round_tokens=3)
+    assert measured["near_tie"] == measured["measured"]["limit"] == NEAR_TIE and measured["measured"]["round_tokens"] == 3
+    assert measured["measured"]["positions"] == len(greedy.token_ids) + 1 and measured["ok"]
 
 
 @pytest.fixture(scope="module")

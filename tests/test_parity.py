@@ -169,3 +169,39 @@ def test_a_trtllm_route_is_asked_in_its_own_input_names():
     assert (bls.model, bls.stream, sent["num_draft_tokens"], sent["max_tokens"], sent["stream"]) == ("tensorrt_llm_bls", False, 3, 8, False)
     with pytest.raises(Exception, match="no GPU route 'x'"):
         trtllm_target(routes, "x")
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_the_margin_shift_is_nothing_in_float64_and_rounding_in_bf16(tiny_llama_dir, chunk):
+    """One forward against rounds of `chunk` through the cache, position by position: in float64
+    the same numbers (a misaligned position would differ by whole logits), in bf16 a rounding."""
+    from specdeploy.models import load_causal_lm
+    from specdeploy.parity import margin_shift
+
+    model, tokenizer, prompt_ids = _tiny(tiny_llama_dir)
+    answer = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=12).token_ids
+    exact = margin_shift(load_causal_lm(tiny_llama_dir, "float64"), prompt_ids, answer, chunk)
+    assert len(exact) == len(answer) + 1 and max(exact) < 1e-9
+    rounded = margin_shift(load_causal_lm(tiny_llama_dir, "bfloat16"), prompt_ids, answer, chunk)
+    assert 0 < max(rounded) < 0.5
+
+
+def test_the_measured_near_tie_limit_is_the_largest_shift_and_never_under_the_floor(tiny_llama_dir, monkeypatch):
+    from specdeploy import verify
+    from specdeploy.models import load_causal_lm
+    from specdeploy.parity import NEAR_TIE
+
+    model, tokenizer, _ = _tiny(tiny_llama_dir)
+    reference = verify.Reference(load_causal_lm(tiny_llama_dir, "float64"), tokenizer)
+    answers = [("def add(a, b):", " return a + b"), ("def sub(a, b):", "")]  # an empty answer: nothing to measure
+    exact = verify.measured_near_tie(reference, answers, 8, chunk=2)
+    assert exact["limit"] == NEAR_TIE and exact["largest_shift"] < 1e-9 and exact["positions"] > 1
+    monkeypatch.setattr(verify, "margin_shift", lambda *args: [0.25, 2.5, 0.75])
+    noisy = verify.measured_near_tie(reference, answers, 8, chunk=2)
+    assert noisy["limit"] == 2.5 and noisy["positions"] == 3 and noisy["round_tokens"] == 2
+    row = {"prompt": "p", "reference": "a", "served": "b", "match": False, "first_divergence_token": 3,
+           "margin_at_divergence": 1.375, "speedup": None, "tokens": 4, "latency_s": 1.0, "ttft_s": 0.1,
+           "accepted_draft_tokens": 0, "target_forwards": 4, "category": "code", "shown": "p"}
+    assert not summarize([row], "bfloat16", "near-tie", NEAR_TIE)["parity_ok"]
+    measured = summarize([row], "bfloat16", "near-tie", noisy["limit"], measured=True)
+    assert measured["parity_ok"] and measured["parity_rule"] == "near-tie (margin <= 2.5, measured)"
