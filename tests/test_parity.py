@@ -174,7 +174,8 @@ def test_a_trtllm_route_is_asked_in_its_own_input_names():
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_the_margin_shift_is_nothing_in_float64_and_rounding_in_bf16(tiny_llama_dir, chunk):
     """One forward against rounds of `chunk` through the cache, position by position: in float64
-    the same numbers (a misaligned position would differ by whole logits), in bf16 a rounding."""
+    the same numbers (a misaligned position would differ by whole logits), in bf16 a rounding
+    (how much depends on the CPU's bf16 kernels: none at all on some)."""
     from specdeploy.models import load_causal_lm
     from specdeploy.parity import margin_shift
 
@@ -183,7 +184,7 @@ def test_the_margin_shift_is_nothing_in_float64_and_rounding_in_bf16(tiny_llama_
     exact = margin_shift(load_causal_lm(tiny_llama_dir, "float64"), prompt_ids, answer, chunk)
     assert len(exact) == len(answer) + 1 and max(exact) < 1e-9
     rounded = margin_shift(load_causal_lm(tiny_llama_dir, "bfloat16"), prompt_ids, answer, chunk)
-    assert 0 < max(rounded) < 0.5
+    assert len(rounded) == len(answer) + 1 and max(rounded) < 0.5
 
 
 def test_the_measured_near_tie_limit_is_the_largest_shift_and_never_under_the_floor(tiny_llama_dir, monkeypatch):
