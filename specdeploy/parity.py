@@ -96,8 +96,8 @@ def margin_shift(model, prompt_ids: torch.Tensor, answer: list[int], chunk: int)
     """How far each answer position's top-2 logit margin moves with the forward's shape: the
     answer in one forward (as the reference checks it) against the same tokens run through the
     cache `chunk` at a time (as a verify round runs them). 0 in an exact dtype; bf16 moves a
-    margin by <= ~0.5, bf16 with FP8 activations by up to ~2 (an activation one bf16 step apart
-    rounds to another FP8 step): a divergence within that is rounding, not the model's choice."""
+    margin by <= ~0.5, bf16 with FP8 activations by 2-4 at worst (an activation one bf16 step
+    apart rounds to another FP8 step): a divergence within that is rounding, not the model's choice."""
     from transformers import DynamicCache
 
     ids = torch.cat([prompt_ids, torch.tensor([answer], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
@@ -105,7 +105,8 @@ def margin_shift(model, prompt_ids: torch.Tensor, answer: list[int], chunk: int)
     whole = model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=len(answer) + 1).logits[0]
     cache = DynamicCache(config=model.config)
     steps = [model(ids[:, :start], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]]
-    steps += [model(ids[:, i:i + chunk], past_key_values=cache, use_cache=True).logits[0] for i in range(start, ids.shape[1], chunk)]
+    steps += [model(ids[:, i:i + chunk], past_key_values=cache, use_cache=True).logits[0]
+              for i in range(start, ids.shape[1], chunk)]
     pair = whole.float().topk(2, dim=-1).indices  # the one-forward reference's top two at each position
 
     def margins(logits: torch.Tensor) -> torch.Tensor:
