@@ -102,9 +102,18 @@ def test_same_size_rewrite_makes_stage_incomplete(tmp_path, monkeypatch):
     assert not build.completed("resolve", {})
 
 
-def test_cli_version():
+def test_cli_version(monkeypatch):
     out = subprocess.run([sys.executable, "-m", "specdeploy", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("specdeploy ") and out.stdout.split()[1][0].isdigit()
+    from importlib import metadata
+
+    from specdeploy import __version__, cli
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)  # a source tree on PYTHONPATH (NVIDIA's containers)
+    assert cli._version() == f"{__version__} (source tree, not installed)"
 
 
 def test_the_fast_dtype_is_bf16_only_where_it_is_native(monkeypatch, tmp_path, capsys):
