@@ -48,7 +48,7 @@ from specdeploy.fileio import atomic_write_json
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.runtime.types import acceptance_length
-from specdeploy.verify import (DEPLOYMENT, Reference, autoregressive_twin, measured_near_tie, parity_rule, round_tokens,
+from specdeploy.verify import (DEPLOYMENT, Reference, autoregressive_twin, near_tie_limit, parity_rule, round_tokens,
                                served_forwards)
 
 STAGE, OUT = "loadtest", "loadtest"
@@ -346,10 +346,8 @@ def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], referen
 
     from specdeploy.parity import parity_holds
 
-    measured = None
-    if near_tie is None:
-        measured = measured_near_tie(reference, [(prompts[i], text) for i, text in disputed], max_tokens, round_tokens)
-        near_tie = measured["limit"]
+    near_tie, measured = near_tie_limit(reference, [(prompts[i], text) for i, text in disputed], max_tokens, round_tokens,
+                                        near_tie)
     rows = []
     for index, text in tqdm(disputed, desc="near-tie check", unit="output"):
         _, result = reference.check(prompts[index], text, max_tokens, complete=False)

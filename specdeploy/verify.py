@@ -187,6 +187,15 @@ def measured_near_tie(reference: Reference, answers: list[tuple[str, str]], max_
                     f"served answers on the served model, at least {NEAR_TIE:g}"}
 
 
+def near_tie_limit(reference: Reference, answers: list[tuple[str, str]], max_new_tokens: int, chunk: int,
+                   given: float | None) -> tuple[float, dict[str, Any] | None]:
+    """The near-tie limit: `given`, or (None) measured on the served model, with its report."""
+    if given is not None:
+        return given, None
+    measured = measured_near_tie(reference, answers, max_new_tokens, chunk)
+    return measured["limit"], measured
+
+
 def load_reference(model_dir: Path, dtype: str, device: str, role: str = "reference") -> Reference:
     from specdeploy.device import announce, resolve_device
     from specdeploy.models import load_causal_lm, load_tokenizer
@@ -277,7 +286,10 @@ def _runs(rows: list[dict[str, Any]]) -> list[tuple[int, float, int | None, floa
     return [(r["tokens"], r["latency_s"], r["ar_tokens"], r["ar_latency_s"]) for r in rows if r["speedup"]]
 
 
-def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float, measured: bool = False) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float | None,
+              measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The served report. `near_tie`: the limit where the rule is not exact; `measured`: its
+    report where it was measured on the served model."""
     exact = rule == "exact"
     passed = [parity_holds(ParityResult(**{k: r[k] for k in ParityResult.__dataclass_fields__}), exact, near_tie) for r in rows]
     speedups = [r["speedup"] for r in rows if r["speedup"]]
@@ -298,6 +310,8 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
         "served_tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["latency_s"] for r in rows),
         "ttft_s_median": statistics.median(r["ttft_s"] for r in rows),
     }
+    if measured:
+        summary["near_tie_measured"] = measured
     for category in sorted({r["category"] for r in rows}):
         subset = [r for r in rows if r["category"] == category]
         summary[f"acceptance_length_{category}"] = _acceptance(subset)
@@ -436,16 +450,14 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
             rows = run_prompts(spec, ar, reference, prompts, max_new_tokens)
             seconds["served_and_reference"] = time.perf_counter() - start - seconds["servers_start"]
         shutil.rmtree(twin_dir.parent, ignore_errors=True)
-        rule, tie = parity_rule(dtype, quant), None
-        if rule != "exact" and near_tie is None:
+        rule, limit, tie = parity_rule(dtype, quant), near_tie, None
+        if rule != "exact":
             start = time.perf_counter()
             answers = [(prompt.text_input, row["served"]) for prompt, row in zip(prompts, rows)]
-            tie = measured_near_tie(reference, answers, max_new_tokens, round_tokens(deployment))
-            seconds["near_tie"] = time.perf_counter() - start
-        limit = tie["limit"] if tie else NEAR_TIE if near_tie is None else near_tie
-        summary = summarize(rows, dtype, rule, limit, measured=tie is not None)
-        if tie:
-            summary["near_tie_measured"] = tie
+            limit, tie = near_tie_limit(reference, answers, max_new_tokens, round_tokens(deployment), near_tie)
+            if tie:
+                seconds["near_tie"] = time.perf_counter() - start
+        summary = summarize(rows, dtype, rule, limit, measured=tie)
         ids = [reference.ids(p.text_input)[0].tolist() for p in prompts]
         del reference  # one model in memory at a time
         from specdeploy.models import checkpoint_dtype

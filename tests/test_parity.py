@@ -204,5 +204,5 @@ def test_the_measured_near_tie_limit_is_the_largest_shift_and_never_under_the_fl
            "margin_at_divergence": 1.375, "speedup": None, "tokens": 4, "latency_s": 1.0, "ttft_s": 0.1,
            "accepted_draft_tokens": 0, "target_forwards": 4, "category": "code", "shown": "p"}
     assert not summarize([row], "bfloat16", "near-tie", NEAR_TIE)["parity_ok"]
-    measured = summarize([row], "bfloat16", "near-tie", noisy["limit"], measured=True)
+    measured = summarize([row], "bfloat16", "near-tie", noisy["limit"], measured=noisy)
     assert measured["parity_ok"] and measured["parity_rule"] == "near-tie (margin <= 2.5, measured)"
