@@ -45,9 +45,9 @@ def test_distillation_data_is_cached_and_consistent(tiny_llama_dir, data):
     assert (predicted == data.tokens[answer + 1]).float().mean() > 0.8
 
 
-@pytest.mark.parametrize("kind,lr", [("eagle", 3e-3), ("medusa", 2e-2)])
-def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind, lr):
-    settings = TrainSettings(kind=kind, steps=15, **{**TINY, "lr": lr})
+@pytest.mark.parametrize("kind,lr,ttt", [("eagle", 3e-3, 3), ("eagle", 3e-3, 1), ("medusa", 2e-2, 3)])
+def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind, lr, ttt):
+    settings = TrainSettings(kind=kind, steps=15, ttt_steps=ttt, **{**TINY, "lr": lr})
     stats = train(tiny_llama_dir, tmp_path / "spec", settings, data=data, device="cpu")
     assert stats["steps"] == 15
     assert stats["final_loss"] < 0.9 * stats["first_loss"]
@@ -57,6 +57,7 @@ def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind, lr):
     assert all(k.startswith(prefix) for k in load_file(str(tmp_path / "spec" / "module.safetensors")))
     if kind == "eagle":
         assert config["modelopt_config"]["eagle_offline"] is False
+        assert config["modelopt_config"]["eagle_ttt_steps"] == ttt and len(stats["final_acc"]) == ttt  # one accuracy per TTT step
         assert (tmp_path / "spec" / "eagle3_export" / "config.json").is_file()
 
 

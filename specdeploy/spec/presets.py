@@ -31,6 +31,16 @@ GPU_MIN_PARAMS = 1_000_000_000
 # 512 of the reads for 128 more answers of the base's own (equal data time, 300 steps) measured
 # held-out chain-3 acceptance 1.38 vs 1.41 chat and 1.35 vs 1.30 code: the reads stay.
 _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768)
+# quick EAGLE trains one TTT step (ModelOpt's eagle_ttt_steps): on a CPU the package stage's planner
+# has served a chain of ONE draft on every default build measured (sessions 13-18), and only the
+# first draft position serves it. A TTT step is ~0.24 s of a ~0.78-s step (4 x 256 tokens, bf16), so one
+# step trains ~2.6x faster. Measured (session 19, the same cached data; `spec validate --tree chain
+# --draft-len 1 --prompts 24 --max-new-tokens 96`, bf16 base, acceptance length over both categories):
+# 3 TTT x 750 steps (584 s) 1.349; 1 x 750 (227 s) 1.354; 1 x 1000 (305 s) 1.375; 1 x 1500 (465 s)
+# 1.399. A chain of 3 loses ~0.05 with one TTT step (1 x 750 vs 3 x 750, 8 prompts: 1.44 vs 1.50
+# chat, 1.34 vs 1.40 code): `--ttt-steps 3` (or the long preset) for deeper drafts, e.g. a small
+# base on a GPU, where a longer chain costs little more to verify.
+_CPU_QUICK_EAGLE = dict(steps=1000, ttt_steps=1)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
 # measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
 _CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048)
@@ -39,7 +49,7 @@ _GPU_DATA = dict(max_new_tokens=512, tf_max_tokens=2048, window=2048, batch_size
                  checkpoint_every=250)  # an 8B module's checkpoint (module + AdamW) is ~5 GB
 TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
     "cpu": {
-        "quick": {"eagle": dict(steps=750, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA),
+        "quick": {"eagle": dict(**_CPU_QUICK_EAGLE, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA),
                   "dflash": dict(steps=750, **_CPU_QUICK_DATA)},
         "long": {"eagle": dict(steps=6000, **_CPU_LONG_DATA), "medusa": dict(steps=4000, **_CPU_LONG_DATA),
                  "dflash": dict(steps=6000, **_CPU_LONG_DATA)},
