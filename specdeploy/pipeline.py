@@ -184,6 +184,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-quant-report", action="store_true", help="skip the quantization quality report")
     parser.add_argument("--spec-steps", type=int, help="override the module training steps")
     parser.add_argument("--spec-prompts", type=int, help="override the number of self-distillation prompts")
+    parser.add_argument("--spec-ttt-steps", type=int,
+                        help="override EAGLE's training-time-test steps (the CPU quick preset trains 1, for the chain of "
+                             "one draft its planner serves; 3 trains deeper drafts)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -194,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
         cpu_max_batch_size=args.cpu_max_batch_size, spec_off_above=args.spec_off_above, cpu_draft_shape=args.cpu_draft_shape,
         trtllm_version=args.trtllm_version, tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
-        spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts},
+        spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts, "ttt_steps": args.spec_ttt_steps},
     )
     build = build_from_args(args)
     rows = run_pipeline(build, opts)

@@ -135,7 +135,9 @@ def test_verify_reports_exactness_served_and_fidelity_on_the_fp8_build(engine_bu
 def test_an_eagle_deployment_serves_through_triton_with_exact_parity(long_context_model, tmp_path):
     # served in float64 (--serve-dtype auto with FP8 activations): served parity itself is exact
     build = _built(long_context_model, tmp_path / "tiny-eagle-fp8", "fp8", "--spec", "eagle", "--spec-steps", "3",
-                   "--spec-prompts", "8", "--serve-dtype", "auto")
+                   "--spec-prompts", "8", "--spec-ttt-steps", "2", "--serve-dtype", "auto")
+    spec_config = json.loads((build.path("spec") / "spec_config.json").read_text())
+    assert spec_config["modelopt_config"]["eagle_ttt_steps"] == 2 and len(spec_config["training"]["final_acc"]) == 2
     deployment = json.loads((build.path("triton_repo") / "cpu" / "tensorrt_llm" / "1" / "deployment.json").read_text())
     # the CPU deployment drafts what the LLM-API config names: a chain, as TRT-LLM >= 1.3 does by default
     assert deployment["spec"]["kind"] == "eagle" and deployment["spec"]["mode"] == "chain"

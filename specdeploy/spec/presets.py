@@ -37,9 +37,10 @@ _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768)
 # step trains ~2.6x faster. Measured (session 19, the same cached data; `spec validate --tree chain
 # --draft-len 1 --prompts 24 --max-new-tokens 96`, bf16 base, acceptance length over both categories):
 # 3 TTT x 750 steps (584 s) 1.349; 1 x 750 (227 s) 1.354; 1 x 1000 (305 s) 1.375; 1 x 1500 (465 s)
-# 1.399. A chain of 3 loses ~0.05 with one TTT step (1 x 750 vs 3 x 750, 8 prompts: 1.44 vs 1.50
-# chat, 1.34 vs 1.40 code): `--ttt-steps 3` (or the long preset) for deeper drafts, e.g. a small
-# base on a GPU, where a longer chain costs little more to verify.
+# 1.399; on the FP8 served model 1.349 / - / 1.365 / 1.382. A chain of 3 loses ~0.03-0.05 with one
+# TTT step (FP8 model, 1 x 1000 vs 3 x 750: 1.427 vs 1.460): `--ttt-steps 3` (engine:
+# `--spec-ttt-steps 3`) for deeper drafts, e.g. a small base on a GPU, where a longer chain costs
+# little more to verify.
 _CPU_QUICK_EAGLE = dict(steps=1000, ttt_steps=1)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
 # measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
