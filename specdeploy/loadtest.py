@@ -338,16 +338,15 @@ def disputed_outputs(figures: list[dict[str, Any]], expected: dict[int, str]) ->
 
 
 def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], reference: Reference, max_tokens: int,
-                    near_tie: float | None, round_tokens: int = 1) -> dict[str, Any]:
+                    near_tie: float | None, chunk: int = 1) -> dict[str, Any]:
     """verify's near-tie rule for each disputed output: the reference's greedy answer, or parting
     from it where the reference's top-2 logit margin is <= near_tie (None: measured as verify
-    measures it, over the disputed outputs with rounds of `round_tokens`)."""
+    measures it, over the disputed outputs with verify rounds of `chunk` tokens)."""
     from tqdm import tqdm
 
     from specdeploy.parity import parity_holds
 
-    near_tie, measured = near_tie_limit(reference, [(prompts[i], text) for i, text in disputed], max_tokens, round_tokens,
-                                        near_tie)
+    near_tie, measured = near_tie_limit(reference, [(prompts[i], text) for i, text in disputed], max_tokens, chunk, near_tie)
     rows = []
     for index, text in tqdm(disputed, desc="near-tie check", unit="output"):
         _, result = reference.check(prompts[index], text, max_tokens, complete=False)

@@ -481,9 +481,9 @@ def _verify_trtllm(build: BuildDir, *, per_category: int, max_new_tokens: int, u
                    device: str, route: str | None) -> dict[str, Any]:
     """Against a TensorRT-LLM server: float32 reference on `device`, the near-tie rule (NEAR_TIE
     unless given: the server's own rounding cannot be measured from here)."""
-    near_tie = NEAR_TIE if near_tie is None else near_tie
     from specdeploy.triton.package import gpu_routes
 
+    near_tie = NEAR_TIE if near_tie is None else near_tie
     if url is None:
         raise SpecDeployError("--server trtllm needs --url (the gRPC address of the TensorRT-LLM Triton server)",
                               hint="build_scripts/gpu_host.sh build/<name> starts one and passes it")

@@ -134,7 +134,7 @@ def test_the_near_tie_judge_passes_the_references_answer_and_fails_a_departure_a
     assert verdict(report).startswith("FAIL: 5 outputs differ") and "1/2 distinct outputs pass" in verdict(report)
     assert not verdict({**report, "near_tie": lenient}).startswith("FAIL")
     # by default the limit is measured on the served model (float32 here: shifts far under the floor)
-    measured = judge_near_ties([(0, greedy.text)], prompts, reference, 7, near_tie=None, round_tokens=3)
+    measured = judge_near_ties([(0, greedy.text)], prompts, reference, 7, near_tie=None, chunk=3)
     assert measured["near_tie"] == measured["measured"]["limit"] == NEAR_TIE and measured["measured"]["round_tokens"] == 3
     assert measured["measured"]["positions"] == len(greedy.token_ids) + 1 and measured["ok"]
 
