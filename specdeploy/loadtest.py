@@ -48,6 +48,7 @@ from specdeploy.fileio import atomic_write_json
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.runtime.types import acceptance_length
+from specdeploy.stats import percentiles
 from specdeploy.verify import (DEPLOYMENT, Reference, autoregressive_twin, near_tie_limit, parity_rule, round_tokens,
                                served_forwards)
 
@@ -95,13 +96,6 @@ def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
         return [0.0] * n
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, max(n - 1, 0))
     return [0.0, *np.cumsum(gaps).tolist()][:n]
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50, p99 (linear interpolation, as numpy and `vllm bench serve`) and mean; None without data."""
-    if not values:
-        return {"p50": None, "p99": None, "mean": None}
-    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)), "mean": float(np.mean(values))}
 
 
 def count_tokens(tokenizer: Any, text: str) -> int:

@@ -57,6 +57,7 @@ from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.parity import NEAR_TIE, ParityResult, compare, hf_reference, margin_shift, parity_holds
 from specdeploy.parity import Reference as Greedy  # verify's Reference is the model that computes it
 from specdeploy.runtime.types import acceptance_length
+from specdeploy.stats import percentiles
 
 STAGE, OUT = "verify", "reports"
 GPU_STAGE, GPU_OUT = "verify_gpu", "reports_gpu"
@@ -180,7 +181,7 @@ def measured_near_tie(reference: Reference, answers: list[tuple[str, str]], max_
             shifts += margin_shift(reference.model, reference.ids(prompt), answer, chunk)
     largest = max(shifts, default=0.0)
     # the limit is a maximum, so it grows with the positions measured: the p99 shows the bulk
-    p99 = sorted(shifts)[int(0.99 * (len(shifts) - 1))] if shifts else 0.0
+    p99 = percentiles(shifts)["p99"] or 0.0
     return {"limit": max(NEAR_TIE, largest), "largest_shift": largest, "p99_shift": p99, "positions": len(shifts),
             "round_tokens": chunk,
             "rule": f"the largest top-2 logit margin shift between one forward and rounds of {chunk} tokens over the "

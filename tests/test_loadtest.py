@@ -16,8 +16,9 @@ from specdeploy import models
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.loadtest import (AR, SPEC, Timed, arrival_times, build_report, chunk_tokens, count_tokens, disputed_outputs,
-                                 inter_token_gaps, judge_near_ties, parse_levels, percentiles, speedup_cell, verdict)
+                                 inter_token_gaps, judge_near_ties, parse_levels, speedup_cell, verdict)
 from specdeploy.parity import NEAR_TIE, hf_reference
+from specdeploy.stats import percentiles
 from specdeploy.verify import load_reference
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
