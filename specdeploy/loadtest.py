@@ -6,7 +6,10 @@ through tritonclient (gRPC), in passes (default 2) whose arm order alternates, A
 so that machine noise and drift hit both arms alike; a level's figures pool its passes. At most
 `concurrency` requests are in flight: all sent at once (closed loop), or at Poisson arrival times
 with --request-rate (open loop; a request that arrives while every slot is busy waits for one, as
-`vllm bench serve --max-concurrency` does). Per arm and level: output
+`vllm bench serve --max-concurrency` does). A pass sends at least 3 requests per client, and the
+prompts ask for different lengths (--length-spread around --max-tokens), so that the closed loop
+reaches a steady state past its cold start (each client's first request, all at once into an empty
+server), which the steady TTFT leaves out. Per arm and level: output
 tokens/s, requests/s, TTFT / TPOT / ITL percentiles (DEFINITIONS), acceptance length, errors; then
 the speed-up curve (speculative tokens/s over autoregressive tokens/s) and the break-even
 concurrency, the first level where speculation stops paying. Writes loadtest/loadtest.json and
@@ -53,12 +56,16 @@ from specdeploy.verify import (DEPLOYMENT, Reference, autoregressive_twin, near_
                                served_forwards)
 
 STAGE, OUT = "loadtest", "loadtest"
+MIN_REQUESTS, REQUESTS_PER_CLIENT = 8, 3  # the default requests per arm, level and pass (Sweep.requests_at)
 SPEC, AR = "speculative", "autoregressive"
 DEFINITIONS = {
     "tokens": "output tokens of a request: its served text re-tokenized (no special tokens), as verify counts them",
     "output_tokens_per_s": ("output tokens of the level's successful requests / the level's wall time (first send to last "
                             "answer, summed over the level's passes)"),
     "ttft_s": "time to first token: request sent -> first streamed chunk with text",
+    "ttft_steady_s": ("the same over the requests after each pass's first `concurrency` (every client's first request, "
+                      "all sent into an empty server at once in the closed loop: the cold start), as GenAI-Perf and "
+                      "perf_analyzer leave warm-up requests out; null where a pass sent no more"),
     "tpot_s": "time per output token after the first: (latency - TTFT) / (tokens - 1), requests with > 1 token",
     "itl_s": ("inter-token latency, one sample per token after the first chunk: a chunk of k tokens arriving g s after "
               "the previous chunk counts as k gaps of g/k (vLLM instead counts one gap per chunk)"),
@@ -144,6 +151,7 @@ class Timed:
     chunks: list[str] = field(default_factory=list)
     perf: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    cold: bool = False  # one of the pass's first `concurrency` requests (DEFINITIONS["ttft_steady_s"])
 
 
 def send(client: TritonLLMClient, prompt: int, text: str, max_tokens: int, level_start: float) -> Timed:
@@ -159,7 +167,7 @@ def send(client: TritonLLMClient, prompt: int, text: str, max_tokens: int, level
     return timed
 
 
-def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[int], max_tokens: int,
+def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[int], lengths: list[int],
               arrivals: list[float]) -> tuple[list[Timed], float]:
     """One worker per client (the concurrency) takes the requests in order, each no earlier than
     its arrival time. Returns the requests and the level's wall time."""
@@ -176,13 +184,15 @@ def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[in
             except queue.Empty:
                 return
             time.sleep(max(started + arrivals[i] - time.perf_counter(), 0.0))
-            done[i] = send(client, order[i], prompts[order[i]], max_tokens, started)
+            done[i] = send(client, order[i], prompts[order[i]], lengths[order[i]], started)
 
     threads = [threading.Thread(target=worker, args=(client,), daemon=True) for client in clients]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    for timed in done[: len(clients)]:
+        timed.cold = True
     return done, time.perf_counter() - started
 
 
@@ -195,15 +205,29 @@ class Sweep:
 
     prompts: list[str]
     levels: list[int]
-    requests: int
-    max_tokens: int
+    requests: int | None  # per arm, level and pass; None: requests_at's default
+    max_tokens: int  # the mean of the prompts' lengths
     rate: float | None = None
     seed: int = 0
     passes: int = 1
+    spread: float = 0.0
 
     @property
-    def order(self) -> list[int]:
-        return [i % len(self.prompts) for i in range(self.requests)]
+    def lengths(self) -> list[int]:
+        """Each prompt's max tokens: max_tokens x factors evenly spread over [1 - spread, 1 + spread],
+        dealt to the prompts in a seeded order. Answers of one length keep a closed loop's clients
+        in lockstep: they finish in the same round and come back as one burst."""
+        factors = np.linspace(1 - self.spread, 1 + self.spread, len(self.prompts)) if len(self.prompts) > 1 else [1.0]
+        dealt = np.random.default_rng(self.seed).permutation(len(self.prompts))
+        return [max(1, round(self.max_tokens * float(factors[i]))) for i in dealt]
+
+    def requests_at(self, level: int) -> int:
+        """The asked number, or MIN_REQUESTS and at least REQUESTS_PER_CLIENT per client: a pass
+        then measures beyond its cold start (each client's first request)."""
+        return self.requests or max(MIN_REQUESTS, REQUESTS_PER_CLIENT * level)
+
+    def order(self, level: int) -> list[int]:
+        return [i % len(self.prompts) for i in range(self.requests_at(level))]
 
 
 def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print) -> Results:
@@ -212,7 +236,6 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print)
     pass). The first reference-arm level is preceded by a solo pass when the sweep has no
     concurrency 1 (key 0)."""
     clients = {arm: [TritonLLMClient(url) for _ in range(plan.levels[-1])] for arm, url in urls.items()}
-    arrivals = arrival_times(plan.requests, plan.rate, plan.seed)
     results: Results = {arm: {} for arm in urls}
     try:
         for pool in clients.values():  # warm-up: first requests pay one-off costs
@@ -221,13 +244,14 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print)
         reference = list(urls)[-1]
         if plan.levels[0] != 1:
             solo = list(range(len(plan.prompts)))
-            timed, wall = run_level(clients[reference][:1], plan.prompts, solo, plan.max_tokens, [0.0] * len(solo))
+            timed, wall = run_level(clients[reference][:1], plan.prompts, solo, plan.lengths, [0.0] * len(solo))
             results[reference][0] = (timed, [wall])
         for n, level in enumerate(plan.levels):
             for p in range(plan.passes):
                 for arm in list(urls)[:: 1 if (n + p) % 2 == 0 else -1]:
-                    timed, wall = run_level(clients[arm][:level], plan.prompts, plan.order, plan.max_tokens,
-                                            arrivals)
+                    order = plan.order(level)
+                    timed, wall = run_level(clients[arm][:level], plan.prompts, order, plan.lengths,
+                                            arrival_times(len(order), plan.rate, plan.seed))
                     before, walls = results[arm].get(level, ([], []))
                     results[arm][level] = (before + timed, walls + [wall])
                     say(f"concurrency {level}, pass {p + 1}/{plan.passes}: {arm} done in {wall:.1f} s")
@@ -244,7 +268,7 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print)
 
 def measure(timed: Timed, tokenizer: Any) -> dict[str, Any]:
     """A request's row: its timings and token counts."""
-    row: dict[str, Any] = {"prompt": timed.prompt, "start_s": timed.start_s, "error": timed.error}
+    row: dict[str, Any] = {"prompt": timed.prompt, "start_s": timed.start_s, "cold": timed.cold, "error": timed.error}
     if timed.error:
         return row
     counts = chunk_tokens(tokenizer, timed.chunks)
@@ -272,6 +296,7 @@ def summarize_level(rows: list[dict[str, Any]], walls: list[float], expected: di
         "pass_tokens_per_s": [sum(r["tokens"] for r in rows[i * per_pass:(i + 1) * per_pass] if r["error"] is None) / wall
                               for i, wall in enumerate(walls)],
         "ttft_s": percentiles([r["ttft_s"] for r in ok]),
+        "ttft_steady_s": percentiles([r["ttft_s"] for r in ok if not r["cold"]]),
         "tpot_s": percentiles([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
         "itl_s": percentiles([gap for r in ok for gap in r["itl_s"]]),
         "latency_s": percentiles([r["latency_s"] for r in ok]),
@@ -331,7 +356,7 @@ def disputed_outputs(figures: list[dict[str, Any]], expected: dict[int, str]) ->
     return sorted(disputed)
 
 
-def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], reference: Reference, max_tokens: int,
+def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], reference: Reference, lengths: list[int],
                     near_tie: float | None, chunk: int = 1) -> dict[str, Any]:
     """verify's near-tie rule for each disputed output: the reference's greedy answer, or parting
     from it where the reference's top-2 logit margin is <= near_tie (None: measured as verify
@@ -340,10 +365,11 @@ def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], referen
 
     from specdeploy.parity import parity_holds
 
-    near_tie, measured = near_tie_limit(reference, [(prompts[i], text) for i, text in disputed], max_tokens, chunk, near_tie)
+    answers = [(prompts[i], text) for i, text in disputed]
+    near_tie, measured = near_tie_limit(reference, answers, max(lengths), chunk, near_tie)
     rows = []
     for index, text in tqdm(disputed, desc="near-tie check", unit="output"):
-        _, result = reference.check(prompts[index], text, max_tokens, complete=False)
+        _, result = reference.check(prompts[index], text, lengths[index], complete=False)
         rows.append({"prompt": index, "match": result.match, "first_divergence_token": result.first_divergence_token,
                      "margin_at_divergence": result.margin_at_divergence, "ok": parity_holds(result, False, near_tie)})
     margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]
@@ -353,7 +379,8 @@ def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], referen
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Tokens/s of both arms and the speed-up (second axis) vs concurrency; TTFT p99 vs concurrency."""
+    """Tokens/s of both arms and the speed-up (second axis) vs concurrency; TTFT p99 (all requests, and
+    past the cold start) vs concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,7 +390,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4))
     for arm in report["arms"]:
         tput.plot(levels, [e[arm]["output_tokens_per_s"] for e in report["levels"]], "o-", label=arm)
-        ttft.plot(levels, [(e[arm]["ttft_s"]["p99"] or 0) * 1000 for e in report["levels"]], "o-", label=arm)
+        line, = ttft.plot(levels, [(e[arm]["ttft_s"]["p99"] or 0) * 1000 for e in report["levels"]], "o-", label=arm)
+        ttft.plot(levels, [(e[arm]["ttft_steady_s"]["p99"] or 0) * 1000 for e in report["levels"]], "o--",
+                  color=line.get_color(), label=f"{arm}, steady")
     tput.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
     ttft.set(xscale="log", xlabel="concurrency", ylabel="TTFT p99 (ms)", title="Time to first token")
     if all(e["speedup"] is not None for e in report["levels"]):
@@ -384,8 +413,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def table(report: dict[str, Any], title: str) -> Table:
     out = Table(title=title)
-    for column in ("conc", "arm", "tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
-                   "accept len", "identical", "errors", "speed-up"):
+    for column in ("conc", "arm", "tok/s", "req/s", "TTFT p50/p99 ms", "steady TTFT", "TPOT p50/p99 ms",
+                   "ITL p50/p99 ms", "accept len", "identical", "errors", "speed-up"):
         out.add_column(column, justify="left" if column == "arm" else "right")
     ms = lambda p: "/".join("-" if p[k] is None else f"{p[k] * 1000:.0f}" for k in ("p50", "p99"))  # noqa: E731
     for entry in report["levels"]:
@@ -393,7 +422,8 @@ def table(report: dict[str, Any], title: str) -> Table:
             f = entry[arm]
             speedup = speedup_cell(entry) if arm == SPEC else ""
             out.add_row(str(entry["concurrency"]), arm, f"{f['output_tokens_per_s']:.1f}", f"{f['requests_per_s']:.2f}",
-                        ms(f["ttft_s"]), ms(f["tpot_s"]), ms(f["itl_s"]), f"{f['acceptance_length']:.2f}",
+                        ms(f["ttft_s"]), ms(f["ttft_steady_s"]), ms(f["tpot_s"]), ms(f["itl_s"]),
+                        f"{f['acceptance_length']:.2f}",
                         f"{f['identical']}/{f['compared']}", str(f["errors"]), speedup)
     return out
 
@@ -416,11 +446,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "two; one arm unless --url-ar names the autoregressive one")
     parser.add_argument("--url-ar", help="with --url: a running autoregressive server to compare against")
     parser.add_argument("--concurrency", default="1,2,4,8", help="levels swept, comma-separated (default 1,2,4,8)")
-    parser.add_argument("--requests-per-level", type=int, default=8, help="requests per arm, level and pass (default 8)")
+    parser.add_argument("--requests-per-level", type=int,
+                        help=f"requests per arm, level and pass (default: {MIN_REQUESTS}, and {REQUESTS_PER_CLIENT} per client "
+                             f"where that is more, so that a pass goes on past its cold start: "
+                             f"{REQUESTS_PER_CLIENT * 8} at concurrency 8)")
     parser.add_argument("--passes", type=int, default=2,
                         help="passes per level, the arms' order alternating (ABBA); default 2: the default sweep took "
-                             "~6 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
-    parser.add_argument("--max-tokens", type=int, default=32)
+                             "~4.5 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="the mean of the prompts' max tokens (default 32)")
+    parser.add_argument("--length-spread", type=float, default=0.5,
+                        help="each prompt asks for --max-tokens x a factor in [1 - spread, 1 + spread], spread evenly over "
+                             "the prompts (default 0.5: 16-48 tokens), as a dataset's answers vary; 0: all alike, and the "
+                             "closed loop's clients then finish together and return as one burst")
     parser.add_argument("--request-rate", type=float,
                         help="Poisson arrivals at this many requests/s (open loop); default: all at once (closed loop)")
     parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per category (ShareGPT chat, HumanEval code)")
@@ -435,9 +472,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.url_ar and not args.url:
         raise SpecDeployError("--url-ar needs --url (the speculative server)", hint="pass both, or neither to start the build's")
-    if min(args.requests_per_level, args.passes, args.max_tokens, args.prompts) < 1:
+    if min(args.requests_per_level or 1, args.passes, args.max_tokens, args.prompts) < 1:
         raise SpecDeployError("--requests-per-level, --passes, --max-tokens and --prompts must be >= 1",
                               hint="e.g. --requests-per-level 8 --passes 2")
+    if not 0 <= args.length_spread < 1:
+        raise SpecDeployError(f"--length-spread {args.length_spread} is not in [0, 1)", hint="e.g. 0.5: 0.5x to 1.5x --max-tokens")
     if args.request_rate is not None and not args.request_rate > 0:
         raise SpecDeployError(f"--request-rate {args.request_rate} is not a positive rate", hint="requests per second, e.g. 2")
 
@@ -455,15 +494,18 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     model_dir = (cpu_repo / DEPLOYMENT).parent / deployment["model_dir"]
     tokenizer = load_tokenizer(model_dir)
     prompts = [p.text_input for p in load_prompts(args.prompts, tokenizer)][: args.requests_per_level]
-    plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed, args.passes)
-    settings = {"concurrency": levels, "requests_per_level": plan.requests, "passes": plan.passes,
-                "max_tokens": plan.max_tokens, "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed,
+    plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed, args.passes,
+                 args.length_spread)
+    settings = {"concurrency": levels, "requests_per_level": [plan.requests_at(level) for level in levels],
+                "passes": plan.passes,
+                "max_tokens": plan.max_tokens, "length_spread": plan.spread, "max_tokens_per_prompt": plan.lengths,
+                "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed,
                 "url": args.url, "url_ar": args.url_ar, "near_tie": args.near_tie}
     rule = parity_rule(deployment["dtype"], read_quant_config(model_dir))
 
     def judge(disputed: list[tuple[int, str]]) -> dict[str, Any]:
         reference = load_reference(model_dir, deployment["dtype"], args.device)
-        return judge_near_ties(disputed, prompts, reference, plan.max_tokens, args.near_tie, round_tokens(deployment))
+        return judge_near_ties(disputed, prompts, reference, plan.lengths, args.near_tie, round_tokens(deployment))
 
     twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:
@@ -515,8 +557,10 @@ def main(args: argparse.Namespace) -> int:
     build = build_from_args(args)
     report = loadtest(build, args, levels)
     rate = f"Poisson {args.request_rate:g} req/s" if args.request_rate else "closed loop"
-    title = (f"load test: {args.passes} x {args.requests_per_level} requests x {args.max_tokens} tokens per arm and level "
-             f"(arms alternating), {rate}")
+    requests = "/".join(map(str, report["settings"]["requests_per_level"]))
+    lengths = report["settings"]["max_tokens_per_prompt"]
+    title = (f"load test: {args.passes} x {requests} requests x {min(lengths)}-{max(lengths)} tokens per arm at concurrency "
+             f"{'/'.join(map(str, levels))} (arms alternating), {rate}")
     # piped (a log, a test): wide enough for every column, where rich would assume 80
     Console(width=None if sys.stdout.isatty() else 160).print(table(report, title))
     curve = [e["speedup"] for e in report["levels"]]

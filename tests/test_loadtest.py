@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from specdeploy import models
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
-from specdeploy.loadtest import (AR, SPEC, Timed, arrival_times, build_report, chunk_tokens, count_tokens, disputed_outputs,
+from specdeploy.loadtest import (AR, SPEC, Sweep, Timed, arrival_times, build_report, chunk_tokens, count_tokens, disputed_outputs,
                                  inter_token_gaps, judge_near_ties, parse_levels, speedup_cell, verdict)
 from specdeploy.parity import NEAR_TIE, hf_reference
 from specdeploy.stats import percentiles
@@ -94,6 +94,35 @@ def test_a_level_stops_paying_only_where_speculation_lost_in_every_pass(tiny_tok
     assert speedup_cell(report["levels"][1]) == "0.87x"
 
 
+def test_the_steady_ttft_leaves_out_each_pass_cold_start(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = "def add(a, b):\n    return a + b\n"
+
+    def one_pass(ttfts: list[float]) -> list[Timed]:  # concurrency 2: the first two requests are the cold start
+        return [Timed(0, 0.0, latency_s=2.0, chunk_s=[t], chunks=[text], cold=i < 2) for i, t in enumerate(ttfts)]
+
+    results = {AR: {2: (one_pass([0.9, 1.0, 0.2]) + one_pass([0.8, 1.1, 0.3]), [3.0, 3.0])}}
+    level = build_report(results, tokenizer, [2], "exact")["levels"][0][AR]
+    assert level["ttft_s"] == percentiles([0.9, 1.0, 0.2, 0.8, 1.1, 0.3])
+    assert level["ttft_steady_s"] == percentiles([0.2, 0.3])
+    alone = {AR: {2: (one_pass([0.9, 1.0]), [3.0])}}  # nothing past the cold start
+    assert build_report(alone, tokenizer, [2], "exact")["levels"][0][AR]["ttft_steady_s"]["p99"] is None
+
+
+def test_the_default_requests_go_past_each_clients_first():
+    plan = Sweep(["a", "b", "c"], [1, 2, 4, 8], None, 32)
+    assert [plan.requests_at(level) for level in plan.levels] == [8, 8, 12, 24]
+    assert plan.order(4) == [0, 1, 2] * 4
+    assert Sweep(["a"], [1, 8], 5, 32).requests_at(8) == 5  # asked for: as asked
+
+
+def test_the_prompts_lengths_spread_around_the_mean_in_a_seeded_order():
+    lengths = Sweep(list("abcdefgh"), [1], None, 32, seed=0, spread=0.5).lengths
+    assert sorted(lengths) == [16, 21, 25, 30, 34, 39, 43, 48] and sum(lengths) == 8 * 32
+    assert lengths != sorted(lengths) and lengths == Sweep(list("abcdefgh"), [1], None, 32, seed=0, spread=0.5).lengths
+    assert Sweep(["a", "b"], [1], None, 8).lengths == [8, 8]  # no spread: all alike
+
+
 def test_levels_parse_and_bad_levels_are_refused():
     assert parse_levels("8,1, 2,2") == [1, 2, 8]
     for bad in ("0,2", "a,b", ""):
@@ -125,17 +154,17 @@ def test_the_near_tie_judge_passes_the_references_answer_and_fails_a_departure_a
     prompts = ["def add(a, b):"]
     greedy = hf_reference(reference.model, reference.tokenizer, reference.ids(prompts[0]), 7)
     departs = reference.tokenizer.decode(greedy.token_ids[:3]) + "\x00zzz"
-    strict = judge_near_ties([(0, greedy.text), (0, departs)], prompts, reference, 7, near_tie=0.0)
+    strict = judge_near_ties([(0, greedy.text), (0, departs)], prompts, reference, [7], near_tie=0.0)
     assert (strict["outputs"], strict["passed"], strict["ok"]) == (2, 1, False)
     assert [r["first_divergence_token"] for r in strict["rows"]] == [None, 3]
     assert strict["largest_margin"] == pytest.approx(greedy.margins[3], rel=1e-4) and greedy.margins[3] > 0
-    lenient = judge_near_ties([(0, departs)], prompts, reference, 7, near_tie=greedy.margins[3] + 1e-3)
+    lenient = judge_near_ties([(0, departs)], prompts, reference, [7], near_tie=greedy.margins[3] + 1e-3)
     assert lenient["ok"] and lenient["passed"] == 1
     report = {"parity_rule": "near-tie", "mismatches": 5, "dtype": "bfloat16", "near_tie": strict}
     assert verdict(report).startswith("FAIL: 5 outputs differ") and "1/2 distinct outputs pass" in verdict(report)
     assert not verdict({**report, "near_tie": lenient}).startswith("FAIL")
     # by default the limit is measured on the served model (float32 here: shifts far under the floor)
-    measured = judge_near_ties([(0, greedy.text)], prompts, reference, 7, near_tie=None, chunk=3)
+    measured = judge_near_ties([(0, greedy.text)], prompts, reference, [7], near_tie=None, chunk=3)
     assert measured["near_tie"] == measured["measured"]["limit"] == NEAR_TIE and measured["measured"]["round_tokens"] == 3
     assert measured["measured"]["positions"] == len(greedy.token_ids) + 1 and measured["ok"]
 
@@ -174,6 +203,7 @@ def _figures(report: dict):
 @pytest.mark.server
 def test_sweep_reports_both_arms_at_every_level(report, build):
     assert [e["concurrency"] for e in report["levels"]] == [1, 2] and report["arms"] == [SPEC, AR]
+    assert sorted(report["settings"]["max_tokens_per_prompt"]) == [MAX_TOKENS // 2, MAX_TOKENS * 3 // 2]  # spread 0.5
     assert report["ok"] and report["errors"] == 0
     for level, arm, f in _figures(report):
         assert f["requests"] == 4 and f["errors"] == 0, (level, arm, f["error_messages"])  # 2 passes of 2
@@ -206,6 +236,12 @@ def test_figures_follow_from_the_requests(report, tiny_tokenizer_dir):
             assert len(row["itl_s"]) == row["tokens"] - row["chunk_tokens"][0]
             assert row["ttft_s"] == row["chunk_s"][0] <= row["latency_s"]
             assert row["start_s"] + row["latency_s"] <= f["wall_s"]
+        lengths = report["settings"]["max_tokens_per_prompt"]
+        # each streamed chunk carries at least one generated token (re-tokenized text can count more)
+        assert all(len(row["chunk_s"]) <= lengths[row["prompt"]] for row in rows)
+        per_pass = len(rows) // 2  # each pass's first `level` requests are its cold start
+        assert [r["cold"] for r in rows] == ([True] * level + [False] * (per_pass - level)) * 2
+        assert f["ttft_steady_s"] == percentiles([r["ttft_s"] for r in rows if not r["cold"]])
         assert f["output_tokens"] == sum(r["tokens"] for r in rows)
         assert f["output_tokens_per_s"] == pytest.approx(f["output_tokens"] / f["wall_s"])
         assert f["requests_per_s"] == pytest.approx(len(rows) / f["wall_s"])
@@ -227,6 +263,8 @@ def test_bad_arguments_are_clear_errors(build, capsys):
     assert "positive integers" in capsys.readouterr().err
     assert cli_main(["loadtest", "--build-dir", str(build.root), "--passes", "0"]) == 2
     assert "--passes" in capsys.readouterr().err
+    assert cli_main(["loadtest", "--build-dir", str(build.root), "--length-spread", "1"]) == 2
+    assert "--length-spread 1.0 is not in [0, 1)" in capsys.readouterr().err
 
 
 @pytest.mark.server
