@@ -395,6 +395,10 @@ def test_quantize_spec_fp8_medusa_heads_and_acceptance_report(tmp_path, tiny128_
         assert counts["target_forwards"] > 0 and 0 <= counts["accepted_draft_tokens"] <= counts["draft_tokens"]
         forwards = counts["target_forwards"]
         assert acceptance[side] == pytest.approx((counts["accepted_draft_tokens"] + forwards) / forwards)
+    unquantized = acceptance["counts"]["unquantized_pair"]  # choices [[0], [0, 0]]: 2 drafts a round, fewer at the end
+    assert acceptance["draft_tokens_per_round"] == pytest.approx(unquantized["draft_tokens"] / unquantized["target_forwards"])
+    assert 1 < acceptance["draft_tokens_per_round"] <= 2
+    assert "draft tokens a round: the module's recorded shape" in (out / "quantize.md").read_text()
     assert _recount_acceptance(build, prompts=2, max_new_tokens=8) == (
         acceptance["counts"]["unquantized_pair"]["accepted_draft_tokens"], acceptance["counts"]["unquantized_pair"]["target_forwards"])
 

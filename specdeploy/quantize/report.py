@@ -157,8 +157,11 @@ def _acceptance_report(base: nn.Module, quantized: nn.Module, spec_dir: Path | N
         proposer = f"{_spec_kind(spec_dir)} module ({'FP8' if quant_spec_dir else 'unquantized'} on the quantized base)"
     # runtime.types.acceptance_length: the project's one definition, from the summed counts
     before, after = (acceptance_length(c["accepted_draft_tokens"], c["target_forwards"]) for c in (unquantized, on_quantized))
+    # the module's recorded draft shape; the package stage picks the shape the deployment serves
+    per_round = unquantized["draft_tokens"] / max(unquantized["target_forwards"], 1)
     return {"unquantized_pair": before, "quantized_base": after, "proposer": proposer,
             "module": "quantized" if quant_spec_dir else "unquantized", "relative_change": after / before - 1,
+            "draft_tokens_per_round": per_round,
             "definition": "(accepted draft tokens + target forwards) / target forwards, prefill not counted (TensorRT-LLM's)",
             "counts": {"unquantized_pair": unquantized, "quantized_base": on_quantized}}
 
@@ -187,7 +190,9 @@ def report_markdown(report: dict[str, Any], settings: dict[str, Any]) -> str:
     ]
     acc = report.get("acceptance_length")
     if acc and "skipped" not in acc:
-        lines.append(f"| acceptance length ({acc['proposer']}) | {acc['unquantized_pair']:.3f} | {acc['quantized_base']:.3f} | {100 * acc['relative_change']:+.2f}% |")
+        shape = f"{acc['draft_tokens_per_round']:.1f} draft tokens a round: the module's recorded shape, not the served one"
+        lines.append(f"| acceptance length ({acc['proposer']}; {shape}) | {acc['unquantized_pair']:.3f} | "
+                     f"{acc['quantized_base']:.3f} | {100 * acc['relative_change']:+.2f}% |")
     elif acc:
         lines.append(f"\nAcceptance length not measured: {acc['skipped']}")
     return "\n".join(lines) + "\n"
