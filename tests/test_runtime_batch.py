@@ -17,7 +17,7 @@ from specdeploy.runtime.batch import BatchRequest, InflightBatcher
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.types import Proposer, SamplingParams, model_device
+from specdeploy.runtime.types import Proposer, SamplingParams, TargetState, model_device
 from tests.test_runtime_device import FactoryCalls
 from tests.test_runtime_helpers import PROMPTS, OracleTreeProposer, one_thread, tokenizer  # noqa: F401
 
@@ -184,6 +184,22 @@ def test_fork_shares_weights_not_request_state(target64, draft64):
     assert twin.cache is not restricted.cache
     eagle = make_proposer("eagle-tree", target64, None)
     assert eagle.fork().module is eagle.module and eagle.fork().cache is not eagle.cache
+
+
+def test_medusa_drafts_a_batch_as_each_request_alone(target64):
+    """One head call for the whole batch: each row gets the tree its own hidden state gives."""
+    base = make_proposer("medusa", target64, None)
+    gen = torch.Generator().manual_seed(0)
+    width = target64.config.hidden_size
+    states = [TargetState(tokens=torch.tensor([[1, 2 + i]]),
+                          hidden={-1: 4 * torch.randn(1, 1 + i, width, generator=gen, dtype=torch.float64)}) for i in range(3)]
+    states.append(TargetState(tokens=torch.tensor([[1]])))  # no target states yet: nothing to draft from
+    forks, asks = [base.fork() for _ in states], [4, 2, 3, 4]
+    batched = base.propose_batch(forks, states, asks)
+    alone = [fork.propose(state, n) for fork, state, n in zip(forks, states, asks)]
+    assert [(t.tokens.tolist(), t.parents) for t in batched] == [(t.tokens.tolist(), t.parents) for t in alone]
+    assert [len(t) for t in batched] == [4, 2, 3, 0]
+    assert len({tuple(t.tokens[:2].tolist()) for t in batched[:3]}) == 3  # the rows' own drafts, not one row's
 
 
 # ---------------------------------------------------------------------------------- leaving early

@@ -39,18 +39,37 @@ class MedusaProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
-        if max_tokens <= 0 or -1 not in state.hidden:
-            return DraftTree.empty(state.tokens.device)
-        h = state.hidden[-1][0, -1:].to(self.device)  # (1, H): the last consumed position
+        return self.propose_batch([self], [state], [max_tokens])[0]
+
+    @staticmethod
+    @torch.no_grad()
+    def propose_batch(proposers: list[Proposer], states: list[TargetState], max_tokens: list[int]) -> list[DraftTree]:
+        """Every request's last hidden state through the heads at once (one call per head): the
+        forks share the heads and the tree."""
+        trees = [DraftTree.empty(state.tokens.device) for state in states]
+        rows = [i for i, (state, n) in enumerate(zip(states, max_tokens)) if n > 0 and -1 in state.hidden]
+        if not rows:
+            return trees
+        first = proposers[rows[0]]
+        if any(proposers[i].heads is not first.heads or proposers[i].choices is not first.choices for i in rows):
+            return [proposer.propose(state, n) for proposer, state, n in zip(proposers, states, max_tokens)]
+        h = torch.cat([states[i].hidden[-1][0, -1:] for i in rows]).to(first.device)  # each last consumed position
+        top = first._top(h)
+        for r, i in enumerate(rows):
+            paths = first.choices.paths[: max_tokens[i]]  # sorted by depth: any prefix is a valid tree
+            tokens = torch.stack([top[len(p) - 1][r, p[-1]] for p in paths]).long()
+            trees[i] = DraftTree(tokens=tokens.to(states[i].tokens.device), parents=first.parents[: len(paths)])
+        return trees
+
+    def _top(self, h: torch.Tensor) -> list[torch.Tensor]:
+        """For last hidden states (rows, H): each head's top-k token ids, (rows, k) per head."""
         top = []
         for head, weight, k in zip(self.heads, self.projections, self.topk):
             features = head[:-1](h.to(head[-1].weight.dtype))  # the ResBlocks
             logits = head[-1](features) if weight is None else features @ weight.T
-            ids = logits[0].topk(k).indices
+            ids = logits.topk(k, dim=-1).indices
             top.append(ids if self.vocab_ids is None else self.vocab_ids[ids])
-        paths = self.choices.paths[:max_tokens]  # sorted by depth: any prefix is a valid tree
-        tokens = torch.stack([top[len(p) - 1][p[-1]] for p in paths]).long()
-        return DraftTree(tokens=tokens, parents=self.parents[: len(paths)])
+        return top
 
 
 def _heads_from(target: Any, spec_dir: str | os.PathLike | None, num_heads: int, num_layers: int, seed: int) -> tuple[torch.nn.ModuleList, dict]:
