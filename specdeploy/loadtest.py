@@ -497,10 +497,9 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed, args.passes,
                  args.length_spread)
     settings = {"concurrency": levels, "requests_per_level": [plan.requests_at(level) for level in levels],
-                "passes": plan.passes,
-                "max_tokens": plan.max_tokens, "length_spread": plan.spread, "max_tokens_per_prompt": plan.lengths,
-                "request_rate": plan.rate, "prompts": len(prompts), "seed": plan.seed,
-                "url": args.url, "url_ar": args.url_ar, "near_tie": args.near_tie}
+                "passes": plan.passes, "max_tokens": plan.max_tokens, "length_spread": plan.spread,
+                "max_tokens_per_prompt": plan.lengths, "request_rate": plan.rate, "prompts": len(prompts),
+                "seed": plan.seed, "url": args.url, "url_ar": args.url_ar, "near_tie": args.near_tie}
     rule = parity_rule(deployment["dtype"], read_quant_config(model_dir))
 
     def judge(disputed: list[tuple[int, str]]) -> dict[str, Any]:
