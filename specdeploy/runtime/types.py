@@ -147,7 +147,7 @@ class Proposer(ABC):
     @staticmethod
     def propose_batch(proposers: list["Proposer"], states: list[TargetState], max_tokens: list[int]) -> list[DraftTree]:
         """Drafts for several requests at once (in-flight batching), one proposer (a fork) per
-        request. One by one here; a proposer whose forks can share forwards (EAGLE) overrides it."""
+        request. One by one here; a proposer whose forks can share forwards (EAGLE, Medusa) overrides it."""
         return [proposer.propose(state, n) for proposer, state, n in zip(proposers, states, max_tokens)]
 
     def update(self, num_accepted: int, num_proposed: int) -> None:

@@ -52,7 +52,7 @@ class MedusaProposer(Proposer):
             return trees
         first = proposers[rows[0]]
         if any(proposers[i].heads is not first.heads or proposers[i].choices is not first.choices for i in rows):
-            return [proposer.propose(state, n) for proposer, state, n in zip(proposers, states, max_tokens)]
+            return Proposer.propose_batch(proposers, states, max_tokens)  # not forks of one proposer
         h = torch.cat([states[i].hidden[-1][0, -1:] for i in rows]).to(first.device)  # each last consumed position
         top = first._top(h)
         for r, i in enumerate(rows):
