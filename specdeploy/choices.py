@@ -16,8 +16,8 @@ from specdeploy.errors import SpecDeployError
 
 Path_ = tuple[int, ...]
 
-# Small trees for CPU verification: in bf16 a verify over <= ~16 tokens costs about one decode
-# step on this machine (shared/facts.md); wider trees only pay on a GPU.
+# Small trees for CPU verification: in bf16 a verify over <= ~16 tokens costs 1.0-1.3 decode steps
+# on a 2-core CPU (docs/measurements.md, 2026-11-22); wider trees only pay on a GPU.
 DEFAULT_CHAIN_4: list[list[int]] = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 DEFAULT_TREE_10: list[list[int]] = [
     [0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]

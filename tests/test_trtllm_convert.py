@@ -1,4 +1,5 @@
-"""TRT-LLM checkpoint conversion, validated offline (no TensorRT-LLM here, shared/facts.md):
+"""TRT-LLM checkpoint conversion, validated offline (TensorRT-LLM cannot be installed beside the
+project's stack, docs/environment.md):
 
 - the reader (TRT-LLM layout -> HF) reproduces the source logits bit for bit, for tp/pp shards;
 - an independent oracle, ModelOpt's own export_tensorrt_llm_checkpoint (the exporter NVIDIA ships

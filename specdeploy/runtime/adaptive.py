@@ -5,8 +5,8 @@ Two signals, both cheap:
   (the transformers assisted-generation heuristic), and stop speculating after a few rounds in
   a row that accepted nothing;
 - measured speed: tokens per second of speculative rounds (propose + verify) against plain
-  decoding steps. A verify over k tokens costs ~1.6 plain steps in fp32 but ~1 in bf16 on this
-  CPU (shared/facts.md), so acceptance alone cannot say whether speculation is winning.
+  decoding steps. A verify over k tokens costs ~1.6 plain steps in fp32 but ~1 in bf16 on a 2-core
+  CPU (docs/measurements.md, 2026-11-22), so acceptance alone cannot say whether speculation is winning.
 When speculation loses, the request decodes plainly for a while and then probes again with
 one round; each failed probe doubles the wait, so a hopeless proposer costs a handful of rounds.
 

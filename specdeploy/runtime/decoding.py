@@ -31,8 +31,9 @@ from specdeploy.runtime.verify import Acceptance, accept, is_chain, tree_attenti
 
 Hidden = dict[int, torch.Tensor]
 
-# Chains: verifying up to ~8 tokens costs about one bf16 decode step on a CPU with native bf16 (facts.md);
-# 1.2-1.4 float32 steps on an AVX2-only AMD CPU with MKL_CBWR=AVX2 (README). The planner measures it.
+# Chains: verifying up to ~8 tokens costs about one bf16 decode step on a CPU with native bf16; 1.2-1.4
+# float32 steps on an AVX2-only AMD CPU with MKL_CBWR=AVX2 (docs/measurements.md, 2026-11-22 and
+# 2026-11-23). The planner measures it.
 DEFAULT_DRAFT_LEN = 8
 # Trees bring their own shape; Medusa's default tree has 63 nodes.
 DEFAULT_TREE_SIZE = 64

@@ -37,14 +37,14 @@ from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN, generate
 from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingParams, TargetState
 
 
-# Acceptance falls along an answer (session 12, verify's prompts, chain 3: 1.64 tokens per round
-# over an answer's first 16 tokens, 1.21-1.23 past its 48th), so both plans measure away from the
+# Acceptance falls along an answer (docs/measurements.md, 2026-11-25: verify's prompts, chain 3, 1.64 tokens
+# per round over an answer's first 16 tokens, 1.21-1.23 past its 48th), so both plans measure away from the
 # start: the shape planner over answers of CALIBRATION_TOKENS, the load plan after LOAD_WARMUP plain
 # rounds. Calibrated on 48-token answers, the planner expected 1.37x where `make verify` served 0.99x.
 CALIBRATION_TOKENS = 128
 LOAD_WARMUP = 24
 
-# A deeper draft's extra acceptance is the part that varies most from prompt to prompt (session 13:
+# A deeper draft's extra acceptance is the part that varies most from prompt to prompt (2026-11-25:
 # a tree of 4 made 1.81 tokens per round on the calibration prompts and 1.51-1.64 on verify's, a
 # chain of 1 1.35 and ~1.30), and a deeper draft costs more every round it fails. So among the
 # shapes expected within SHAPE_MARGIN of the fastest, the plan takes the one whose round is

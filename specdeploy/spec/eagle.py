@@ -1,8 +1,8 @@
 """EAGLE-3 with ModelOpt: the conversion config for a given base, a reduced draft vocabulary,
 and one training step on precomputed ("offline") base hidden states.
 
-On this CPU the base forward and the 49k-vocabulary head dominate ModelOpt's online training
-(shared/facts.md). Offline mode drops the base decoder layers entirely, and a draft vocabulary
+On a CPU the base forward and the 49k-vocabulary head dominate ModelOpt's online training
+(docs/measurements.md, 2026-11-22). Offline mode drops the base decoder layers entirely, and a draft vocabulary
 of the most frequent target tokens shrinks the draft's lm_head and every TTT softmax.
 """
 
@@ -56,7 +56,7 @@ def modelopt_config(
     }
     return {
         "eagle_offline": offline,
-        "eagle_use_torch_compile": False,  # ~100x slower steps on CPU (facts.md)
+        "eagle_use_torch_compile": False,  # ~100x slower steps on CPU (docs/environment.md)
         "eagle_ttt_steps": ttt_steps,
         "eagle_architecture_config": arch,
     }

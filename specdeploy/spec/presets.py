@@ -24,7 +24,7 @@ GPU_MIN_PARAMS = 1_000_000_000
 # (batched generation); both are distilled from the base's own logits, so the presets take most
 # tokens read and a share generated. Measured with SmolLM2-135M on an idle 2-core machine:
 # ~3,400 tokens/s read, ~290 tokens/s generated, ~1.55 EAGLE steps/s (4 x 256 tokens) on a CPU
-# with native bf16; on an AVX2-only AMD EPYC in float32 (session 7): ~570 tokens/s read (256
+# with native bf16; on an AVX2-only AMD EPYC in float32 (2026-11-23): ~570 tokens/s read (256
 # answers in 135 s), 64 answers generated in ~165-190 s in batches of 16, 1.5-2.2 s per EAGLE step.
 # quick (what `make engine` uses): the data is cached, shared by both kinds and every build of the
 # same base; 64 code completions came with the batch-16 speed-up at no extra data time. Swapping
@@ -32,10 +32,10 @@ GPU_MIN_PARAMS = 1_000_000_000
 # held-out chain-3 acceptance 1.38 vs 1.41 chat and 1.35 vs 1.30 code: the reads stay.
 _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768)
 # quick EAGLE trains one TTT step (ModelOpt's eagle_ttt_steps): on a CPU the package stage's planner
-# has served a chain of ONE draft on every default build measured (sessions 13-18), and only the
+# has served a chain of ONE draft on every default build measured since 2026-11-25, and only the
 # first draft position serves it. A TTT step is ~0.24 s of a ~0.78-s step (4 x 256 tokens, bf16), so one
-# step trains ~2.6x faster. Measured (session 19, the same cached data; `spec validate --tree chain
-# --draft-len 1 --prompts 24 --max-new-tokens 96`, bf16 base, acceptance length over both categories):
+# step trains ~2.6x faster. Measured (2026-11-25 in docs/measurements.md; the same cached data; `spec validate
+# --tree chain --draft-len 1 --prompts 24 --max-new-tokens 96`, bf16 base, acceptance length over both categories):
 # 3 TTT x 750 steps (584 s) 1.349; 1 x 750 (227 s) 1.354; 1 x 1000 (305 s) 1.375; 1 x 1500 (465 s)
 # 1.399; on the FP8 served model 1.349 / - / 1.365 / 1.382. A chain of 3 loses ~0.03-0.05 with one
 # TTT step (FP8 model, 1 x 1000 vs 3 x 750: 1.427 vs 1.460): `--ttt-steps 3` (engine:

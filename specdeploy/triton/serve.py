@@ -1,8 +1,9 @@
 """`specdeploy serve`: a real tritonserver on a packaged model repository, loopback by default.
 
-On this machine the binary is the one bundled in nvidia-pytriton (shared/facts.md: a backend
-directory of symlinks, the interpreter's libpython first on LD_LIBRARY_PATH, the venv's bin/
-first on PATH so the Python-backend stub runs in this environment). On a GPU host
+Without a Triton container the binary is the one bundled in nvidia-pytriton (docs/environment.md,
+"The bundled tritonserver": a backend directory of symlinks, the interpreter's libpython first
+on LD_LIBRARY_PATH, the venv's bin/ first on PATH so the Python-backend stub runs in this
+environment). On a GPU host
 `--tritonserver` points at the container's own binary.
 
 `TritonServer` is the reusable piece: tests, `specdeploy verify` and the load test start it

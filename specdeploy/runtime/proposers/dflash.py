@@ -151,7 +151,7 @@ def modelopt_config(
     return {
         "dflash_block_size": block_size,
         "dflash_mask_token_id": mask_token_id,
-        "dflash_use_torch_compile": False,  # CPU: compiled training steps are ~100x slower (facts.md)
+        "dflash_use_torch_compile": False,  # CPU: compiled training steps are ~100x slower (docs/environment.md)
         "dflash_architecture_config": arch,
     }
 
