@@ -54,14 +54,17 @@ class Request:
     return_perf_metrics: bool = True
 
     def tensors(self, stream: bool) -> dict[str, Any]:
-        """Input name -> value, leaving out what the request does not set."""
+        """Input name -> value, leaving out what the request does not set. The answer never
+        repeats the prompt, whatever the deployment's default (TensorRT-LLM's is to repeat it)."""
         values: dict[str, Any] = {
             "text_input": self.text_input, "max_tokens": self.max_tokens, "stream": stream,
-            "return_perf_metrics": self.return_perf_metrics,
+            "return_perf_metrics": self.return_perf_metrics, "exclude_input_in_output": True,
         }
-        for name in ("temperature", "top_k", "top_p", "random_seed", "end_id", "pad_id"):
+        for name in ("temperature", "top_k", "top_p", "end_id", "pad_id"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
+        if self.random_seed is not None:
+            values["seed"] = self.random_seed
         for name in ("stop_words", "bad_words"):
             if getattr(self, name):
                 values[name] = getattr(self, name)
@@ -291,9 +294,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model to call (default: ensemble; tensorrt_llm_bls, same inputs, is cancelled on timeout or Ctrl-C)")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--temperature", type=float,
+                        help="sampling temperature; as in TensorRT-LLM it samples only with --top-k > 1 or --top-p > 0 "
+                             "(otherwise greedy)")
+    parser.add_argument("--top-k", type=int, help="top-k sampling (0: unset, 1: greedy)")
+    parser.add_argument("--top-p", type=float, help="top-p sampling (0 or less: unset)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop-word", action="append", default=[], help="repeatable")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the whole answer; then the request is cancelled")

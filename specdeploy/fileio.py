@@ -11,12 +11,30 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    """The process umask. os.umask can only read it by setting it, which races with files other
+    threads create meanwhile, so Linux's /proc is asked first."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            # mkstemp creates 0600; the file gets the mode a plain open() would give it (0644
+            # under the usual umask), so a server running as another user (a pod) can read it
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

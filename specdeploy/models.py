@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, cache_dir, content_fingerprint, sha256_file
+from specdeploy.hfcompat import write_compatible
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 
 if TYPE_CHECKING:
@@ -500,6 +501,7 @@ def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = Fal
         for src in sorted(source.iterdir()):
             if src.is_file() and src.suffix in KEEP_SUFFIXES and not src.name.startswith("."):
                 _link_or_copy(src, tmp / src.name)
+        write_compatible(tmp)  # the GPU host's older transformers loads base/ too (the tokenizer, the llmapi route)
     return build.path(OUT)
 
 

@@ -26,6 +26,7 @@ from specdeploy.quantize.formats import DEPLOY_DTYPES
 from specdeploy.triton.package import (ADAPTIVE_HELP, CPU_MAX_BATCH_SIZE, SERVE_DTYPE_HELP, SERVE_DTYPES, add_cpu_deployment_args,
                                       gpu_summary)
 from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
+from specdeploy.trtllm.releases import release_for
 
 console = Console()
 TRAINED_SPECS = ("eagle", "medusa", "dflash")
@@ -109,6 +110,26 @@ def _draft_dir(build: BuildDir, opts: EngineOptions) -> str | None:
     draft = resolve_model_dir(opts.draft)
     check_tokenizers(load_tokenizer(resolve_model_dir(opts.model)), load_tokenizer(draft))
     return str(draft)
+
+
+def gpu_route_notes(opts: EngineOptions) -> list[str]:
+    """What the GPU host will and will not get, said before the long stages run (the convert
+    stage decides it after them). Refuses a --trtllm-version this project never read."""
+    release = release_for(opts.trtllm_version)
+    notes = []
+    if opts.spec == "medusa":
+        where = ("none: the engine flow was removed in 1.3" if release.engine_flow == "removed"
+                 else f"the engine flow of TensorRT-LLM {release.version}" + (" (deprecated there)" if release.engine_flow == "deprecated" else ""))
+        notes.append("SPEC=medusa: only TensorRT-LLM's engine flow serves Medusa heads (releases 1.1 and 1.2; deprecated in "
+                     "1.2, removed in 1.3), and no current vLLM or SGLang release does. This build's GPU route: "
+                     f"{where}. The CPU deployment serves it here; SPEC=eagle deploys on every release.")
+    if opts.spec == "dflash" and not release.dflash:
+        notes.append(f"SPEC=dflash: TensorRT-LLM {release.version} has no DFlash (1.3 on): the build gets no GPU route; "
+                     "pass ENGINE_ARGS=\"--trtllm-version 1.3\" for one")
+    if opts.spec == "eagle" and KV_CACHE_FOR.get(opts.quant) == "fp8" and opts.kv_cache != "none" and not release.fp8_kv_eagle3:
+        notes.append(f"SPEC=eagle with an FP8 KV cache: TensorRT-LLM {release.version} cannot run it (1.2 on): the build gets "
+                     "no LLM-API route; pass ENGINE_ARGS=\"--kv-cache none\" or the default --trtllm-version")
+    return notes
 
 
 def run_pipeline(build: BuildDir, opts: EngineOptions) -> list[dict]:
@@ -201,6 +222,8 @@ def main(args: argparse.Namespace) -> int:
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts, "ttt_steps": args.spec_ttt_steps},
     )
     build = build_from_args(args)
+    for note in gpu_route_notes(opts):
+        console.print(f"[yellow]note:[/yellow] {note}")
     rows = run_pipeline(build, opts)
     print_summary(build, rows, opts)
     return 0

@@ -20,7 +20,12 @@ c. fidelity: the served answers against the user's original model (the resolved 
 build_scripts/gpu_host.sh starts): the route's entry model and request inputs come from
 triton_repo/gpu_routes.json, the reference runs in float32 on --device, and parity follows the
 near-tie rule, because TensorRT-LLM computes in bf16/fp16 (FP8 kernels for FP8 checkpoints) where a
-k-token verify and a 1-token step round apart. Reports: reports_gpu/.
+k-token verify and a 1-token step round apart. Reports: reports_gpu/. It runs in two phases,
+`--phase served` (the served answers and perf counters to a JSON file; no model loaded) and
+`--phase reference` (reads that file, computes the reference; no server needed), so that the
+reference can load after the server stopped: TensorRT-LLM takes most of the GPU's free memory for
+its KV cache. `--phase all` (default) runs both in one process while the server is still up: fine
+where the reference fits beside it (another GPU, --device cpu, a small model).
 
 Writes reports/verify.json, verify.md and two PNG plots; exits 1 when a. is not 100%, when served
 parity fails or the acceptance length is under --ar-lower-bound. Served parity is exact (any
@@ -61,6 +66,8 @@ from specdeploy.stats import percentiles
 
 STAGE, OUT = "verify", "reports"
 GPU_STAGE, GPU_OUT = "verify_gpu", "reports_gpu"
+GPU_SERVED = "reports_gpu_served.json"  # `verify --server trtllm --phase served` writes it, --phase reference reads it
+TRTLLM_PHASES = ("all", "served", "reference")
 DEPLOYMENT = Path("tensorrt_llm") / "1" / "deployment.json"
 ACCEPTANCE_DEFINITION = ("TensorRT-LLM's: (accepted draft tokens + 1 per target forward) / target forwards, prefill "
                          "not counted; counts summed over prompts, from the server's total_accepted_draft_tokens")
@@ -69,7 +76,7 @@ SPEEDUP_DEFINITION = ("output tokens/s of the speculative deployment over its AR
 # the Triton llmapi model's names for the ensemble's inputs (triton_backend/all_models/llmapi)
 LLMAPI_INPUTS = {"max_tokens": "sampling_param_max_tokens", "stream": "streaming",
                  "return_perf_metrics": "sampling_param_return_perf_metrics", "temperature": "sampling_param_temperature",
-                 "top_k": "sampling_param_top_k", "top_p": "sampling_param_top_p", "random_seed": "sampling_param_seed"}
+                 "top_k": "sampling_param_top_k", "top_p": "sampling_param_top_p", "seed": "sampling_param_seed"}
 
 
 @dataclass
@@ -411,12 +418,15 @@ def _model_dir(build: BuildDir) -> Path:
 
 def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, url: str | None = None,
            near_tie: float | None = None, baseline: bool = True, device: str = "auto", server: str = "cpu",
-           route: str | None = None) -> dict[str, Any]:
+           route: str | None = None, phase: str = "all", served_file: str | Path | None = None) -> dict[str, Any]:
     """Run the checks; return the summary (also written to reports/, or reports_gpu/ for a
-    TensorRT-LLM server). `near_tie` None: measured on the served model (CPU), NEAR_TIE (TensorRT-LLM)."""
+    TensorRT-LLM server). `near_tie` None: measured on the served model (CPU), NEAR_TIE (TensorRT-LLM).
+    `phase`, `served_file`: TensorRT-LLM only (see _verify_trtllm)."""
     if server == "trtllm":
         return _verify_trtllm(build, per_category=per_category, max_new_tokens=max_new_tokens, url=url,
-                              near_tie=near_tie, device=device, route=route)
+                              near_tie=near_tie, device=device, route=route, phase=phase, served_file=served_file)
+    if phase != "all":
+        raise SpecDeployError(f"--phase {phase} is for --server trtllm", hint="the CPU server's checks run in one go")
     from specdeploy.triton.serve import TritonServer, start_together
 
     cpu_repo = build.path("triton_repo") / "cpu"
@@ -479,29 +489,88 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
 
 
 def _verify_trtllm(build: BuildDir, *, per_category: int, max_new_tokens: int, url: str | None, near_tie: float | None,
-                   device: str, route: str | None) -> dict[str, Any]:
+                   device: str, route: str | None, phase: str = "all", served_file: str | Path | None = None) -> dict[str, Any]:
     """Against a TensorRT-LLM server: float32 reference on `device`, the near-tie rule (NEAR_TIE
-    unless given: the server's own rounding cannot be measured from here)."""
+    unless given: the server's own rounding cannot be measured from here).
+
+    `phase` "served" asks the server and writes its answers to `served_file` (default
+    <build>/reports_gpu_served.json) without loading a model; "reference" reads that file and
+    computes the reference without a server, so the caller can stop the server in between;
+    "all" does both in one go, the server still up. Returns the summary (phase "served": what it wrote)."""
+    if phase not in TRTLLM_PHASES:
+        raise SpecDeployError(f"unknown verify phase {phase!r}", hint=f"use {', '.join(TRTLLM_PHASES)}")
+    path = Path(served_file) if served_file else build.root / GPU_SERVED
+    if phase == "reference":
+        served = _read_served(path)
+    else:
+        served = _ask_trtllm(build, per_category=per_category, max_new_tokens=max_new_tokens, url=url, route=route)
+        atomic_write_json(path, served)
+        if phase == "served":
+            return served
+    return _trtllm_reference(build, served, NEAR_TIE if near_tie is None else near_tie, device)
+
+
+def _ask_trtllm(build: BuildDir, *, per_category: int, max_new_tokens: int, url: str | None,
+                route: str | None) -> dict[str, Any]:
+    """The served phase: the prompts, the server's answers and perf counters (the tokenizer only:
+    no model competes with the server for the GPU)."""
+    from specdeploy.models import load_tokenizer
     from specdeploy.triton.package import gpu_routes
 
-    near_tie = NEAR_TIE if near_tie is None else near_tie
     if url is None:
         raise SpecDeployError("--server trtllm needs --url (the gRPC address of the TensorRT-LLM Triton server)",
                               hint="build_scripts/gpu_host.sh build/<name> starts one and passes it")
     routes = gpu_routes(build)
     target = trtllm_target(routes, route)
-    settings = {"per_category": per_category, "max_new_tokens": max_new_tokens, "url": url, "near_tie": near_tie,
-                "route": route or routes["recommended"], "model": target.model}
+    route = route or routes["recommended"]
+    prompts = load_prompts(per_category, load_tokenizer(_model_dir(build)))
+    client = TritonLLMClient(url, model=target.model)
+    client.wait_ready(timeout_s=600)
+    client.generate(target.request(prompts[0].text_input, 4), stream=target.stream)  # warm-up: one-off costs
+    answers = []
+    for category, shown, text_input in tqdm(prompts, desc="served", unit="prompt"):
+        done = client.generate(target.request(text_input, max_new_tokens), stream=target.stream)
+        answers.append({"category": category, "shown": shown, "text_input": text_input, "served": done.text,
+                        "perf": done.perf, "latency_s": done.latency_s, "ttft_s": done.time_to_first_chunk_s})
+    return {"server": f"TensorRT-LLM {routes['trtllm_version']} ({route} route, {target.model})", "url": url,
+            "route": route, "model": target.model, "per_category": per_category, "max_new_tokens": max_new_tokens,
+            "prompts": answers}
+
+
+def _read_served(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise SpecDeployError(f"{path} not found: the reference phase reads the served phase's answers",
+                              hint="run `specdeploy verify --server trtllm --phase served --url HOST:PORT` first "
+                                   "(or pass --served-file)")
+    return json.loads(path.read_text())
+
+
+def _trtllm_reference(build: BuildDir, served: dict[str, Any], near_tie: float, device: str) -> dict[str, Any]:
+    """The reference phase: each served answer against the float32 reference, reports_gpu/."""
+    max_new_tokens = served["max_new_tokens"]
+    settings = {key: served[key] for key in ("per_category", "max_new_tokens", "url", "route", "model")}
+    settings["near_tie"] = near_tie
     reference = load_reference(_model_dir(build), "float32", device)
-    prompts = load_prompts(per_category, reference.tokenizer)
     with build.stage(GPU_STAGE, GPU_OUT, settings, consumes=("package",)) as tmp:
-        client = TritonLLMClient(url, model=target.model)
-        client.wait_ready(timeout_s=600)
-        rows = run_prompts(client, None, reference, prompts, max_new_tokens, target)
-        summary = {"server": f"TensorRT-LLM {routes['trtllm_version']} ({settings['route']} route, {target.model})",
+        rows = [_trtllm_row(reference, answer, max_new_tokens)
+                for answer in tqdm(served["prompts"], desc="reference", unit="prompt")]
+        summary = {"server": served["server"],
                    **summarize(rows, "float32 reference; TensorRT-LLM serves bf16/fp16 or FP8", "near-tie", near_tie)}
+        atomic_write_json(tmp / "served.json", served)  # what the server answered, beside what it was judged by
         write_reports(tmp, summary, rows)
     return summary
+
+
+def _trtllm_row(reference: Reference, answer: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
+    """One served answer judged: run_prompts' row, without an AR twin."""
+    ref, parity = reference.check(answer["text_input"], answer["served"], max_new_tokens)
+    tokens = len(ref.token_ids) if parity.match else _count_tokens(reference.tokenizer, answer["served"])
+    accepted = int(answer["perf"].get("total_accepted_draft_tokens", 0))
+    forwards = served_forwards(tokens, accepted)
+    return {"category": answer["category"], "shown": answer["shown"], **parity.as_dict(), "tokens": tokens,
+            "perf": answer["perf"], "accepted_draft_tokens": accepted, "target_forwards": forwards,
+            "acceptance_length": acceptance_length(accepted, forwards), "latency_s": answer["latency_s"],
+            "ttft_s": answer["ttft_s"], "ar_latency_s": None, "ar_tokens": None, "ar_matches": None, "speedup": None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -513,6 +582,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "deployment at --url (reference in float32 on --device, near-tie rule)")
     parser.add_argument("--route", choices=["engine", "llmapi"],
                         help="--server trtllm: the GPU route served (default: the one gpu_routes.json recommends)")
+    parser.add_argument("--phase", choices=TRTLLM_PHASES, default="all",
+                        help="--server trtllm: served (ask the server, write its answers to --served-file; loads no "
+                             "model), reference (judge that file; needs no server: run it after the server stopped, so "
+                             "the reference does not compete with TensorRT-LLM's KV cache for the GPU), all (default: "
+                             "both in one go, the server still up)")
+    parser.add_argument("--served-file",
+                        help=f"--server trtllm: the served phase's answers (default <build>/{GPU_SERVED}); the reference "
+                             "phase takes prompts, max tokens and route from it")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per category (chat, code); default 4")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--near-tie", type=float,
@@ -528,7 +605,11 @@ def main(args: argparse.Namespace) -> int:
     build = build_from_args(args)
     summary = verify(build, per_category=args.prompts, max_new_tokens=args.max_new_tokens, url=args.url,
                      near_tie=args.near_tie, baseline=not args.no_baseline, device=args.device, server=args.server,
-                     route=args.route)
+                     route=args.route, phase=args.phase, served_file=args.served_file)
+    if args.server == "trtllm" and args.phase == "served":
+        print(f"{len(summary['prompts'])} served answers of {summary['server']}: "
+              f"{args.served_file or build.root / GPU_SERVED}; judge them with --phase reference")
+        return 0
     for key, value in _flat(summary).items():
         print(f"{key:>28}: {value:.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
     print("\n".join(headlines(summary)))

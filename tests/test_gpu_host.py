@@ -1,18 +1,29 @@
-"""build_scripts/gpu_host.sh offline: valid bash, the exact container commands per route (dry
-run), the refusals, and a build directory that still works after it moved (every generated path
-resolves where the build now sits)."""
+"""build_scripts/gpu_host.sh offline, against stubs of what a GPU host has (docker, NVIDIA's
+container: tritonserver, tensorrt_llm, trtllm-serve; the user's Python running verify): the
+version check, a server that dies or never gets ready, the order served -> server stopped ->
+reference, nothing installed into the image, the trtllm-serve command as printed, modes a
+non-root server can read, the refusals, and a build directory that still works after it moved."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
+import shlex
 import shutil
+import socket
+import stat
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from specdeploy.cli import main as cli_main
+from specdeploy.client import Completion
+from specdeploy.fileio import atomic_write_text
 from specdeploy.manifest import BuildDir
 from specdeploy.triton import package
 from specdeploy.trtllm import build as trt_build
@@ -20,12 +31,18 @@ from tests.test_triton_package import eagle3_module, new_build
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "build_scripts" / "gpu_host.sh"
-IMAGE = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
+IMAGE = "registry.example/tritonserver:trtllm-1.2.1"  # the release's image, as a test names it
+INSTALLS = re.compile(r"\bpip3?\b|\binstall\b")
+RELEASE = {"version": "1.2.1", "line": "1.2", "triton_image": IMAGE, "triton_image_note": f"NGC: {IMAGE}",
+           "serve_image": "nvcr.io/nvidia/tensorrt-llm/release:1.2.1", "serve_flag": "--config",
+           "transformers": "4.56.0", "torch": "2.9.0a0"}
 
 
-def gpu_host(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+def gpu_host(*args: str, env: dict | None = None, umask: str | None = None) -> subprocess.CompletedProcess:
+    command = ["bash", str(SCRIPT), *args]
+    if umask:
+        command = ["bash", "-c", f'umask {umask} && exec "$@"', "bash", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 def packaged(root: Path, model: Path, kind: str, eagle: dict | None = None, **options) -> BuildDir:
@@ -35,15 +52,195 @@ def packaged(root: Path, model: Path, kind: str, eagle: dict | None = None, **op
     return build
 
 
+def with_release(root: Path, **release) -> Path:
+    """gpu_routes.json with the release each test names, over the one the package stage recorded."""
+    path = root / "triton_repo" / "gpu_routes.json"
+    routes = json.loads(path.read_text())
+    routes["release"] = {**routes["release"], **RELEASE, **release}
+    path.write_text(json.dumps(routes))
+    return root
+
+
 def fake_container(tmp_path: Path) -> Path:
-    """What NVIDIA's container holds in /app/all_models for the two routes."""
+    """What NVIDIA's container holds in /app/all_models for the two routes (owner-only modes, as
+    a copy out of an image can have)."""
     models = tmp_path / "all_models"
-    for folder, files in (("llmapi/tensorrt_llm/1", ("model.py", "helpers.py", "model.yaml")),
+    for folder, files in (("llmapi/tensorrt_llm", ("config.pbtxt", "1/model.py", "1/helpers.py", "1/model.yaml")),
                           ("inflight_batcher_llm/tensorrt_llm_bls/1", ("model.py", "lib/decode.py"))):
         for name in files:
             (models / folder / name).parent.mkdir(parents=True, exist_ok=True)
             (models / folder / name).write_text(f"# upstream {name}\n")
+            (models / folder / name).chmod(0o600)
     return models
+
+
+@pytest.fixture(scope="module")
+def base_build(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A packaged build with both GPU routes (no speculation): copied by each test that runs on it."""
+    return packaged(tmp_path_factory.mktemp("base") / "b", tiny_llama_dir, "none").root.resolve()
+
+
+@pytest.fixture(scope="module")
+def eagle_build(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A packaged EAGLE-3 build: its trtllm-serve YAML names the draft module by path."""
+    return packaged(tmp_path_factory.mktemp("eagle") / "b", tiny_llama_dir, "eagle", eagle3_module(tiny_llama_dir)).root.resolve()
+
+
+@pytest.fixture
+def build(tmp_path, base_build) -> Path:
+    root = tmp_path / "build"
+    shutil.copytree(base_build, root, symlinks=True)
+    return with_release(root)
+
+
+# ---------------------------------------------------------------------------------------------
+# stubs: docker, NVIDIA's container, the user's Python
+
+FAKES = r'''
+import json, os, shutil, signal, subprocess, sys, tempfile, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+STUBS = Path(os.environ["STUB_DIR"])
+
+
+def record(name, entry):
+    with open(STUBS / f"{name}.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def tritonserver(args):
+    """STUB_SERVER: serve (ready at once), hang (never ready), exit (dies while loading)."""
+    mode = os.environ.get("STUB_SERVER", "serve")
+    print("I0101 tritonserver stub: loading", flush=True)
+    if mode == "exit":
+        print("E0101 failed to load 'tensorrt_llm': CUDA out of memory", flush=True)
+        sys.exit(1)
+    (STUBS / "server.pid").write_text(str(os.getpid()))
+
+    class Ready(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if mode == "serve" and self.path.endswith("/ready") else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http = HTTPServer(("127.0.0.1", int(args[args.index("--http-port") + 1])), Ready)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    http.serve_forever()
+
+
+def in_container(path):
+    return path.replace("/app/all_models", os.environ["STUB_ALL_MODELS"])
+
+
+def docker(args):
+    record("docker", args)
+    if args[0] == "run" and "python3" in args:  # the version probe: run as the image would
+        with tempfile.TemporaryDirectory() as packages:
+            (Path(packages) / "tensorrt_llm").mkdir()
+            (Path(packages) / "tensorrt_llm" / "__init__.py").write_text(f"__version__ = {os.environ.get('STUB_TRTLLM', '1.2.1')!r}\n")
+            print("== NVIDIA Release 25.12 (banner) ==", flush=True)
+            command = [sys.executable, *[in_container(a) for a in args[args.index("python3") + 1:]]]
+            image_path = f"{STUBS / 'image_bin'}{os.pathsep}{os.environ['PATH']}"  # the image's tritonserver
+            return subprocess.run(command, env={**os.environ, "PYTHONPATH": packages, "PATH": image_path}).returncode
+    if args[0] == "run" and "tritonserver" in args:
+        return tritonserver(args[args.index("tritonserver") + 1:])
+    if args[0] == "cp":
+        shutil.copytree(in_container(args[1].split(":", 1)[1]), args[2], dirs_exist_ok=True)
+    if args[0] == "stop":
+        pid = int((STUBS / "server.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+        while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text():
+            time.sleep(0.05)
+    return 0
+
+
+def server_alive():
+    pid = STUBS / "server.pid"
+    if not pid.exists():
+        return False
+    try:
+        os.kill(int(pid.read_text()), 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def python(args):
+    """The user's Python running `specdeploy verify`: records each phase and whether a server ran."""
+    if args[0] == "-c":  # gpu_host's check that verify can run here
+        return 0
+    phase = args[args.index("--phase") + 1]
+    record("verify", {"phase": phase, "server_alive": server_alive(), "args": args,
+                      "pythonpath": os.environ.get("PYTHONPATH"), "offline": os.environ.get("HF_HUB_OFFLINE")})
+    served = Path(args[args.index("--served-file") + 1])
+    if phase == "served":
+        served.write_text("{}")
+    return 0 if served.exists() else 1
+
+
+def trtllm_serve(args):
+    """trtllm-serve MODEL <the release's flag> YAML: the flag, the model, the YAML and its paths."""
+    model, flag, config = args[:3]
+    assert flag == os.environ["STUB_SERVE_FLAG"], flag
+    assert (Path(model) / "config.json").exists(), model
+    text = Path(config).read_text()
+    assert "$BUILD_DIR" not in text, text
+    paths = [v for v in json.dumps(__import__("yaml").safe_load(text)).split('"') if v.startswith("/")]
+    assert paths and all(Path(p).exists() for p in paths), paths
+    print("trtllm-serve stub: ok", paths)
+    return 0
+'''
+
+
+def stubs(tmp_path: Path, *, local: bool = False, **env: str) -> dict:
+    """PATH with docker / tritonserver / trtllm-serve stubs and the environment they read. `local`:
+    NVIDIA's stack is here (tritonserver on PATH, tensorrt_llm importable): no docker."""
+    bin_dir, state = tmp_path / "stub_bin", tmp_path / "stub_state"
+    bin_dir.mkdir()
+    state.mkdir()
+    (bin_dir / "fakes.py").write_text(FAKES)
+    names = {"docker": "docker", "trtllm-serve": "trtllm_serve", "specdeploy-python": "python"}
+    if local:
+        names["tritonserver"] = "tritonserver"
+    (state / "image_bin").mkdir()
+    for name, function in [*names.items(), ("image_bin/tritonserver", "tritonserver")]:
+        stub = (state if "/" in name else bin_dir) / name
+        stub.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(bin_dir)!r})\nimport fakes\n"
+                        f"sys.exit(fakes.{function}(sys.argv[1:]))\n")
+        stub.chmod(0o755)
+    if local:
+        shutil.move(bin_dir / "docker", state / "docker")  # inside the container: no docker
+        packages = tmp_path / "container_packages" / "tensorrt_llm"
+        packages.mkdir(parents=True)
+        (packages / "__init__.py").write_text(f"__version__ = {env.pop('STUB_TRTLLM', '1.2.1')!r}\n")
+        env["PYTHONPATH"] = str(packages.parent)
+    http, grpc, metrics = free_ports(3)
+    all_models = fake_container(tmp_path)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STUB_DIR": str(state), "STUB_ALL_MODELS": str(all_models),
+            "SPECDEPLOY_PYTHON": str(bin_dir / "specdeploy-python"), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
+            "METRICS_PORT": str(metrics), **({"SPECDEPLOY_ALL_MODELS": str(all_models)} if local else {}), **env}
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def recorded(env: dict, name: str) -> list:
+    path = Path(env["STUB_DIR"]) / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# ---------------------------------------------------------------------------------------------
+# the flow
 
 
 @pytest.mark.parametrize("script", ["gpu_host.sh", "build_engines.sh"])
@@ -51,56 +248,258 @@ def test_scripts_are_valid_bash(script):
     assert subprocess.run(["bash", "-n", str(ROOT / "build_scripts" / script)], capture_output=True).returncode == 0
 
 
-def test_dry_run_llmapi_route_prints_the_exact_container_commands(tmp_path, tiny_llama_dir):
-    build = packaged(tmp_path / "b", tiny_llama_dir, "eagle", eagle3_module(tiny_llama_dir))
-    done = gpu_host("--dry-run", str(build.root))
+def test_the_planner_parses_as_the_oldest_python_it_supports():
+    assert "sys.version_info < (3, 8)" in SCRIPT.read_text()
+    ast.parse((ROOT / "build_scripts" / "gpu_host.py").read_text(), feature_version=(3, 8))
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["docker", "in-container"])
+def test_verify_answers_while_serving_and_the_reference_loads_after_the_server_is_gone(tmp_path, build, local):
+    env = stubs(tmp_path, local=local)
+    done = gpu_host(str(build), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    phases = recorded(env, "verify")
+    assert [(p["phase"], p["server_alive"]) for p in phases] == [("served", True), ("reference", False)]
+    served, reference = phases
+    assert served["args"][served["args"].index("--url") + 1] == f"127.0.0.1:{env['GRPC_PORT']}"
+    assert reference["args"][-2:] == ["--device", "cuda"]
+    assert all(p["pythonpath"].split(os.pathsep)[0] == str(ROOT) and p["offline"] == "1" for p in phases)
+    assert "TensorRT-LLM 1.2.1" in done.stdout.splitlines()[0]  # the versions come first
+    assert os.access(build / "gpu_host" / "llmapi" / "tensorrt_llm" / "1" / "helpers.py", os.R_OK)
+    if local:
+        return
+    calls = recorded(env, "docker")
+    assert calls[0][:3] == ["run", "--rm", IMAGE] and "python3" in calls[0]  # the probe, the build's release's image
+    assert {call[0] for call in calls} <= {"run", "create", "cp", "rm", "stop"}  # no exec into a container
+    assert not any(INSTALLS.search(" ".join(call)) for call in calls)  # nothing installed into the image
+    server = next(call for call in calls if "tritonserver" in call)
+    for port in (env["HTTP_PORT"], env["GRPC_PORT"], env["METRICS_PORT"]):
+        assert f"127.0.0.1:{port}:{port}" in server  # published on loopback only
+    assert f"{build}:/build:ro" in server and "HF_HUB_OFFLINE=1" in server and "TRANSFORMERS_OFFLINE=1" in server
+    assert server[server.index("tritonserver") + 1:server.index("tritonserver") + 3] == ["--model-repository", "/build/gpu_host/llmapi"]
+    assert calls[-1][:1] == ["stop"]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["docker", "in-container"])
+def test_a_server_that_exits_stops_the_wait_at_once_with_its_log(tmp_path, build, local):
+    env = stubs(tmp_path, local=local, STUB_SERVER="exit")
+    started = time.monotonic()
+    done = gpu_host("--ready-timeout", "600", str(build), env=env)
+    assert done.returncode == 11, done.stdout + done.stderr
+    assert time.monotonic() - started < 30
+    assert "tritonserver exited (code 1)" in done.stderr and "CUDA out of memory" in done.stderr  # the log's tail
+    assert recorded(env, "verify") == []
+
+
+def test_a_server_never_ready_is_given_up_after_the_timeout_and_stopped(tmp_path, build):
+    env = stubs(tmp_path, STUB_SERVER="hang")
+    started = time.monotonic()
+    done = gpu_host("--ready-timeout", "2", str(build), env=env)
+    assert done.returncode == 11 and "not ready after 2 s" in done.stderr and "I0101 tritonserver stub" in done.stderr
+    assert time.monotonic() - started < 30
+    assert recorded(env, "docker")[-1][0] == "stop" and recorded(env, "verify") == []
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["docker", "in-container"])
+def test_another_tensorrt_llm_release_in_the_image_is_refused_before_anything_runs(tmp_path, build, local):
+    env = stubs(tmp_path, local=local, STUB_TRTLLM="1.1.0")
+    done = gpu_host(str(build), env=env)
+    assert done.returncode == 8, done.stdout + done.stderr
+    assert "carries TensorRT-LLM 1.1.0" in done.stderr and "converted for TensorRT-LLM 1.2.1 (line 1.2)" in done.stderr
+    assert f"use {IMAGE}" in done.stderr  # names the image for this build
+    assert "TensorRT-LLM 1.1.0, torch" in done.stdout  # the versions it found, printed first
+    assert len(recorded(env, "docker")) == (0 if local else 1) and not (build / "gpu_host").exists()
+
+
+def test_in_a_container_that_cannot_run_verify_it_says_what_to_run_from_outside(tmp_path, build):
+    env = stubs(tmp_path, local=True)
+    env.pop("SPECDEPLOY_PYTHON")
+    tritonclient = Path(env["PYTHONPATH"]) / "tritonclient"
+    tritonclient.mkdir()
+    (tritonclient / "__init__.py").write_text("raise ImportError('not in this image')\n")
+    done = gpu_host(str(build), env=env)
+    assert done.returncode == 10, done.stdout + done.stderr
+    assert "nothing is installed into NVIDIA's image" in done.stderr and f"--serve-only {build}" in done.stderr
+    assert "--phase served" in done.stderr and "--phase reference" in done.stderr
+    assert not (Path(env["STUB_DIR"]) / "server.pid").exists()
+
+
+def test_serve_only_serves_until_stopped_and_then_stops_the_server(tmp_path, build):
+    env = stubs(tmp_path)
+    serving = subprocess.Popen(["bash", str(SCRIPT), "--serve-only", str(build)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, **env})
+    try:
+        lines = iter(serving.stdout.readline, "")
+        assert any("serving on 127.0.0.1" in line for line in lines)
+        assert "--phase served" in next(lines)
+    finally:
+        serving.terminate()
+    assert serving.wait(60) == 128 + 15
+    assert recorded(env, "docker")[-1][0] == "stop" and recorded(env, "verify") == []
+
+
+def test_the_image_is_the_builds_release_and_a_release_without_one_needs_an_image(tmp_path, build):
+    env = stubs(tmp_path)
+    with_release(build, triton_image="example/tritonserver:custom")
+    assert "--rm example/tritonserver:custom python3" in gpu_host("--dry-run", str(build), env=env).stdout
+    with_release(build, triton_image=None, triton_image_note="build it with NVIDIA's tensorrtllm_backend recipe")
+    done = gpu_host("--dry-run", str(build), env=env)
+    assert done.returncode == 9 and "build it with NVIDIA's tensorrtllm_backend recipe" in done.stderr
+    assert "--rm my/image:1 python3" in gpu_host("--dry-run", str(build), "my/image:1", env=env).stdout
+
+
+def test_dry_run_prints_the_plan_in_order_without_installing_anything(tmp_path, build):
+    env = stubs(tmp_path)
+    done = gpu_host("--dry-run", str(build), env=env)
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0] == f"# route llmapi (TensorRT-LLM 1.2.1) of {build.root.resolve()}"
-    assert lines[1] == (f"docker run --rm --gpus all --ipc=host --shm-size=2g --ulimit memlock=-1 -v {build.root.resolve()}:/build "
-                        f"-v {ROOT}:/specdeploy {IMAGE} bash -c \"$PLAN\"")
-    plan = lines[lines.index("# PLAN:") + 1:]
-    expected = [
-        "set -euo pipefail",
-        "rm -rf /build/gpu_host/llmapi && mkdir -p /build/gpu_host/llmapi && cp -r /build/triton_repo/llmapi/. /build/gpu_host/llmapi/",
-        # model.py AND helpers.py (everything but upstream's model.yaml, replaced by ours)
-        "find /app/all_models/llmapi/tensorrt_llm/1 -mindepth 1 -maxdepth 1 ! -name model.yaml -exec cp -r {} /build/gpu_host/llmapi/tensorrt_llm/1/ \\;",
-        "grep -rlF '$BUILD_DIR' /build/gpu_host/llmapi | xargs -r sed -i 's#\\$BUILD_DIR#/build#g'",
-        "tritonserver --model-repository /build/gpu_host/llmapi --grpc-port 8001 --http-port 8000 --metrics-port 8002 "
-        "> /build/gpu_host/llmapi.tritonserver.log 2>&1 & SERVER=$!",
-        "cd /specdeploy && python3 -m specdeploy verify --build-dir /build --server trtllm --route llmapi --url 127.0.0.1:8001 --device cuda",
-    ]
-    for line in expected:
-        assert line in plan, line
-    assert not any("build_engines.sh" in line for line in plan)  # no engines on this route
-    order = [plan.index(line) for line in expected]
-    assert order == sorted(order)
+    out = done.stdout
+    steps = [f"docker run --rm {IMAGE} python3 -c",
+             f"docker cp specdeploy-llmapi-",
+             f"docker run --rm --gpus all --ipc=host --shm-size=2g --ulimit memlock=-1 -p 127.0.0.1:{env['HTTP_PORT']}:",
+             f"--phase served --served-file {build}/gpu_host/llmapi.served.json --url 127.0.0.1:{env['GRPC_PORT']}",
+             "docker stop -t 60 specdeploy-llmapi-",
+             "--phase reference",
+             "# or trtllm-serve: docker run"]
+    assert all(step in out for step in steps), out
+    assert [out.index(step) for step in steps] == sorted(out.index(step) for step in steps)
+    assert not INSTALLS.search(out)
+    assert not recorded(env, "docker")  # a dry run runs nothing
 
 
 def test_dry_run_engine_route_builds_engines_and_takes_the_bls_code(tmp_path, tiny_llama_dir, tiny_draft_dir):
-    build = packaged(tmp_path / "b", tiny_llama_dir, "draft", draft_model=str(tiny_draft_dir), max_draft_len=3)
-    done = gpu_host("--dry-run", "--route", "engine", str(build.root), "my/image:1")
+    build = with_release(packaged(tmp_path / "b", tiny_llama_dir, "draft", draft_model=str(tiny_draft_dir), max_draft_len=3).root.resolve())
+    done = gpu_host("--dry-run", "--route", "engine", str(build), env=stubs(tmp_path))
     assert done.returncode == 0, done.stderr
-    plan = done.stdout.splitlines()
-    assert "my/image:1 bash -c" in plan[1]
-    build_line = "CKPT_DIR=/build/trtllm_ckpt ENGINE_DIR=/build/engines bash /build/engines/build_engines.sh"
-    bls_line = ("find /app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1 -mindepth 1 -maxdepth 1 ! -name model.yaml "
-                "-exec cp -r {} /build/gpu_host/engine/tensorrt_llm_bls/1/ \\;")
-    verify_line = "cd /specdeploy && python3 -m specdeploy verify --build-dir /build --server trtllm --route engine --url 127.0.0.1:8001 --device cuda"
-    assert plan.index(build_line) < plan.index(bls_line) < plan.index(verify_line)
+    out = done.stdout
+    engines = (f"-v {build}:/build -e HF_HUB_OFFLINE=1 -e TRANSFORMERS_OFFLINE=1 -e CKPT_DIR=/build/trtllm_ckpt "
+               f"-e ENGINE_DIR=/build/engines {IMAGE} bash -c 'bash /build/engines/build_engines.sh && chown -R ")
+    bls = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/."
+    assert engines in out and bls in out
+    assert out.index(engines) < out.index(bls) < out.index("tritonserver --model-repository /build/gpu_host/engine")
     # the server is ready when the route's entry model is: the BLS model for draft-target
-    assert any("v2/models/tensorrt_llm_bls/ready" in line for line in plan)
+    assert "/v2/models/tensorrt_llm_bls/ready" in out and "trtllm-serve" not in out
 
 
-def test_refusals(tmp_path, tiny_llama_dir):
-    build = packaged(tmp_path / "e", tiny_llama_dir, "eagle", eagle3_module(tiny_llama_dir))
-    done = gpu_host("--dry-run", "--route", "engine", str(build.root))
+# ---------------------------------------------------------------------------------------------
+# what assembly writes
+
+
+@pytest.mark.parametrize("version, line, flag", [("1.2.1", "1.2", "--config"), ("1.1.0", "1.1", "--extra_llm_api_options")])
+def test_the_printed_trtllm_serve_command_runs_as_printed(tmp_path, eagle_build, version, line, flag):
+    build = tmp_path / "build"
+    shutil.copytree(eagle_build, build, symlinks=True)
+    serve_image = f"nvcr.io/nvidia/tensorrt-llm/release:{version}"
+    with_release(build, version=version, line=line, serve_flag=flag, serve_image=serve_image)
+    env = stubs(tmp_path, local=True, STUB_SERVE_FLAG=flag)
+    done = gpu_host("--assemble", str(build), env=env)
+    assert done.returncode == 0, done.stderr
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    bare = next(line for line in lines if line.startswith("trtllm-serve "))
+    assert bare.split()[2] == flag
+    ran = subprocess.run(shlex.split(bare), capture_output=True, text=True, env={**os.environ, **env})
+    assert ran.returncode == 0, ran.stderr
+    assert str(build / "trtllm_ckpt" / "llmapi") in ran.stdout  # the EAGLE-3 draft, by the path the build has now
+    in_docker = next(line for line in lines if line.startswith("docker run"))
+    assert f"{serve_image} {bare} --host 0.0.0.0 --port" in in_docker and f"-v {build}:{build}:ro" in in_docker
+
+
+def test_assembly_is_readable_by_another_user(tmp_path, build):
+    env = stubs(tmp_path, local=True)
+    done = gpu_host("--assemble", str(build), env=env, umask="077")  # even under the tightest umask
+    assert done.returncode == 0, done.stderr
+    repo = build / "gpu_host" / "llmapi"
+    for path in [repo.parent, repo, *repo.rglob("*")]:
+        assert stat.S_IMODE(path.stat().st_mode) == (0o755 if path.is_dir() else 0o644), path
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
+def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        written = atomic_write_text(tmp_path / "config.json", "{}")
+        (tmp_path / "plain").write_text("{}")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == mode
+
+
+# ---------------------------------------------------------------------------------------------
+# verify --server trtllm in two phases
+
+
+def test_verify_trtllm_phases_split_the_server_from_the_reference(tmp_path, build, monkeypatch):
+    from specdeploy import verify
+
+    prompts = [verify.Prompt("chat", "hi", "Hello there"), verify.Prompt("code", "def f():", "def f():")]
+    monkeypatch.setattr(verify, "load_prompts", lambda per_category, tokenizer: prompts)
+    reference = verify.load_reference(build / "base", "float32", "cpu")
+    greedy = {p.text_input: reference.check(p.text_input, "", 8)[0].text for p in prompts}
+
+    class Server:
+        def __init__(self, url: str, model: str) -> None:
+            assert (url, model) == ("127.0.0.1:9", "tensorrt_llm")
+
+        def wait_ready(self, timeout_s: float) -> None:
+            pass
+
+        def generate(self, request, stream: bool) -> Completion:
+            text = greedy[request.text_input]
+            return Completion(text, [text], {"total_accepted_draft_tokens": 2.0}, 0.5, 0.1)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the served phase loads no model")
+
+    served = ["verify", "--build-dir", str(build), "--server", "trtllm", "--url", "127.0.0.1:9", "--max-new-tokens", "8"]
+    monkeypatch.setattr(verify, "TritonLLMClient", Server)
+    monkeypatch.setattr(verify, "load_reference", no_model)
+    assert cli_main([*served, "--phase", "served", "--served-file", str(tmp_path / "served.json")]) == 0
+    answers = json.loads((tmp_path / "served.json").read_text())
+    assert [a["served"] for a in answers["prompts"]] == list(greedy.values()) and not (build / "reports_gpu").exists()
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("the reference phase asks no server")
+
+    monkeypatch.setattr(verify, "TritonLLMClient", no_server)
+    monkeypatch.setattr(verify, "load_reference", lambda model_dir, dtype, device: reference)
+    judged = ["verify", "--build-dir", str(build), "--server", "trtllm", "--device", "cpu"]
+    assert cli_main([*judged, "--phase", "reference", "--served-file", str(tmp_path / "served.json")]) == 0
+    report = json.loads((build / "reports_gpu" / "verify.json").read_text())
+    assert report["summary"]["parity_ok"] and report["summary"]["prompts"] == 2
+    assert json.loads((build / "reports_gpu" / "served.json").read_text()) == answers
+    # in one go (the server still up), as a user may choose
+    monkeypatch.setattr(verify, "TritonLLMClient", Server)
+    assert cli_main([*served, "--device", "cpu"]) == 0
+    assert (build / verify.GPU_SERVED).exists() and json.loads((build / "reports_gpu" / "verify.json").read_text())["summary"]["parity_ok"]
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals, and a build that moved
+
+
+def test_refusals(tmp_path, tiny_llama_dir, eagle_build, build):
+    eagle = tmp_path / "eagle"
+    shutil.copytree(eagle_build, eagle, symlinks=True)
+    done = gpu_host("--dry-run", "--route", "engine", str(eagle))
     assert done.returncode == 5 and "no TensorRT-LLM route engine" in done.stderr and "EAGLE-3" in done.stderr
-    wide = packaged(tmp_path / "n", tiny_llama_dir, "ngram", tp=2)
-    done = gpu_host("--dry-run", str(wide.root))
+    wide = packaged(tmp_path / "n", tiny_llama_dir, "ngram", tp=2).root
+    done = gpu_host("--dry-run", str(wide))
     assert done.returncode == 6 and "--world_size 2" in done.stderr
     done = gpu_host("--dry-run", str(tmp_path))
     assert done.returncode == 2 and "gpu_routes.json" in done.stderr
+    routes_file = build / "triton_repo" / "gpu_routes.json"
+    routes = routes_file.read_text()
+    routes_file.write_text(json.dumps({k: v for k, v in json.loads(routes).items() if k != "release"}))
+    done = gpu_host("--dry-run", str(build))
+    assert done.returncode == 2 and "run `specdeploy package` again" in done.stderr
+    routes_file.write_text(routes)
+    env = stubs(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", int(env["GRPC_PORT"])))
+        taken.listen()
+        done = gpu_host(str(build), env=env)
+    assert done.returncode == 2 and f"port {env['GRPC_PORT']} is in use" in done.stderr
+    done = gpu_host(str(build), env={**env, "SPECDEPLOY_PYTHON": sys.executable + "-missing"})
+    assert done.returncode == 10 and "make venv" in done.stderr
 
 
 def _resolved_paths(text: str, root: Path) -> list[Path]:
@@ -144,3 +543,5 @@ def test_a_moved_build_keeps_every_generated_path_valid(tmp_path, tiny_llama_dir
     assert (new / "gpu_host" / "llmapi" / "tensorrt_llm" / "1" / "helpers.py").exists()
     assert (new / "gpu_host" / "engine" / "tensorrt_llm_bls" / "1" / "lib" / "decode.py").exists()
     assert (new / "gpu_host" / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text().startswith("model: ")  # ours, not upstream's
+    # the model's config.pbtxt is the release's own, as the container ships it beside its model.py
+    assert (new / "gpu_host" / "llmapi" / "tensorrt_llm" / "config.pbtxt").read_text() == "# upstream config.pbtxt\n"

@@ -64,7 +64,7 @@ class Direct:
     def send(self, ids: list[int], max_tokens: int, *, request_id: str = "", **extra) -> None:
         arrays = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
                   "request_output_len": np.array([[max_tokens]], dtype=np.int32),
-                  "return_perf_metrics": np.array([[True]])}
+                  "return_perf_metrics": np.array([[True]]), "exclude_input_in_output": np.array([[True]])}
         arrays.update({name: np.array([[value]]) for name, value in extra.items()})
         inputs = []
         for name, array in arrays.items():

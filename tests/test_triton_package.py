@@ -24,7 +24,7 @@ from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.planner import suggested_spec_off_above
 from specdeploy.triton import package
 from specdeploy.trtllm import build as trt_build
-from specdeploy.trtllm import convert
+from specdeploy.trtllm import convert, llmapi, releases
 
 TREE = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
 EAGLE3_CFG = {
@@ -154,7 +154,9 @@ def check_cpu_bls(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
     steps, with tensorrt_llm as the step it watches for cancellations."""
     bls, ensemble = configs["tensorrt_llm_bls"], configs["ensemble"]
     assert bls.backend == "python" and bls.model_transaction_policy.decoupled
-    assert tensors(bls) == tensors(ensemble)
+    inputs, outputs = tensors(bls)
+    draft_target = [("num_draft_tokens", mc.TYPE_INT32, [1], True), ("use_draft_logits", mc.TYPE_BOOL, [1], True)]
+    assert (inputs, outputs) == (tensors(ensemble)[0] + draft_target, tensors(ensemble)[1])
     plan = json.loads((repo / "tensorrt_llm_bls" / "1" / "steps.json").read_text())
     assert [(s["model"], s["inputs"], s["outputs"]) for s in plan["steps"]] == [
         (s.model_name, dict(s.input_map), dict(s.output_map)) for s in ensemble.ensemble_scheduling.step]
@@ -187,7 +189,12 @@ def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make
         assert tensors(cpu["ensemble"]) == tensors(engine["ensemble"])
         assert engine["tensorrt_llm"].backend == "tensorrtllm"
     if "llmapi" in ROUTES[spec]:
-        assert load_repo(out / "llmapi")["tensorrt_llm"].backend == "python"
+        assert not (out / "llmapi" / "tensorrt_llm" / "config.pbtxt").exists()  # the release's own, from its container
+        serve = routes["routes"]["llmapi"]["trtllm_serve"]
+        assert (build.root / serve["config"]).is_file() and serve["model"].startswith("$BUILD_DIR/")
+    # the release the GPU side was written for, with the image that carries it (releases.py)
+    assert routes["release"] == releases.release_for(releases.DEFAULT_TRTLLM_VERSION).as_dict()
+    assert routes["release"]["triton_image"] == "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"
     summary = "\n".join(package.gpu_summary(build))
     assert f"build_scripts/gpu_host.sh {build.root}" in summary and "build_engines.sh" not in summary
 
@@ -271,7 +278,11 @@ def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(ma
     assert spec == {"decoding_type": "Draft_Target", "max_draft_len": 3,
                     "speculative_model": "$BUILD_DIR/trtllm_ckpt/draft_model"}
     carried = build.path("trtllm_ckpt") / "draft_model"
-    assert (carried / "config.json").read_bytes() == (tiny_draft_dir / "config.json").read_bytes()
+    assert (carried / "model.safetensors").read_bytes() == (tiny_draft_dir / "model.safetensors").read_bytes()
+    # its config written for the release's transformers too (hfcompat): what it had, and the 4.x spellings
+    original, written = (json.loads((d / "config.json").read_text()) for d in (tiny_draft_dir, carried))
+    assert original.items() <= written.items()
+    assert "rope_theta" in written
 
 
 def test_cpu_deployment_json_is_what_load_decoder_reads(make):
@@ -352,13 +363,19 @@ def test_auto_draft_shape_serves_the_planners_fastest_shape_on_the_cpu_only(make
     assert planned["options"].items() <= spec.items()
     decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
     assert decoder.draft_len == int(size) and decoder.proposer.kind == mode
-    assert model_yaml(out)["speculative_config"]["max_draft_len"] == 4  # the GPU keeps convert's chain
+    gpu = model_yaml(out)["speculative_config"]
+    assert gpu["max_draft_len"] == 4  # the GPU keeps convert's chain
     # and the load up to which it speculates: measured batches of 1..cpu_max_batch_size
     curve = planned["load"]["curve"]
     assert [p["batch"] for p in curve] == list(range(1, package.CPU_MAX_BATCH_SIZE + 1))
     rule = suggested_spec_off_above([p["batch"] for p in curve], [p["speedup"] for p in curve], package.LOAD_PAYS)
     assert planned["load"]["spec_off_above"] == (None if rule is None else max(1, rule))  # alone, it speculates
     assert deployment(out).get("spec_off_above") == planned["load"]["spec_off_above"] == decoder.spec_off_above
+    # the GPU config's speculation controls start from this measurement, and say so
+    knobs = package.gpu_routes(build)["routes"]["llmapi"]["speculation_knobs"]
+    assert knobs["values"] == llmapi.scale_knobs(releases.release_for(releases.DEFAULT_TRTLLM_VERSION), 4, planned)
+    assert knobs["values"].items() <= gpu.items() and "CPU planner" in knobs["from"]
+    assert gpu.get("max_concurrency") == planned["load"]["spec_off_above"]
     given = package.run(build, spec="eagle", cpu_draft_shape="auto", spec_off_above=3)  # the user's value wins
     assert deployment(given)["spec_off_above"] == 3 and "load" not in json.loads((given / "cpu" / package.PLAN_FILE).read_text())
     fixed = package.run(build, spec="eagle")  # another setting: packaged again, convert's chain
@@ -451,14 +468,17 @@ def test_backend_fill_args_round_trip_through_fill_template_parsing():
     assert split_like_fill_template(package.backend_fill_args(values)) == values
 
 
-def test_no_stream_makes_gpu_configs_non_decoupled_but_cpu_stays_streaming(make):
+def test_no_stream_makes_every_repository_non_decoupled(make):
     build = make("none")
     out = package.run(build, spec="none", decoupled=False)
     engine = load_repo(out / "engine")
     assert not engine["tensorrt_llm"].model_transaction_policy.decoupled
     assert not engine["tensorrt_llm_bls"].model_transaction_policy.decoupled
     assert model_yaml(out)["triton_config"]["decoupled"] is False
-    assert load_repo(out / "cpu")["tensorrt_llm"].model_transaction_policy.decoupled
+    cpu = load_repo(out / "cpu")
+    assert not cpu["tensorrt_llm"].model_transaction_policy.decoupled
+    assert not cpu["tensorrt_llm_bls"].model_transaction_policy.decoupled
+    check_ensemble_wiring(cpu)
     assert package.gpu_routes(build)["routes"]["llmapi"]["stream"] is False
 
 

@@ -1,9 +1,11 @@
 """`specdeploy build`: the trtllm-build plan and script, and the refusal to pretend on a host
-without TensorRT-LLM or a GPU (this one). Flags are those of tensorrt_llm/commands/build.py
-(see specdeploy/trtllm/formats.py)."""
+without TensorRT-LLM or a GPU. Every generated command is parsed against the argument list of
+trtllm-build as each release with the engine flow has it (tests/data/trtllm_build_flags.json,
+read from NVIDIA's build.py / plugin.py; the snapshots are named there)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -18,10 +20,31 @@ from safetensors.torch import save_file
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.trtllm import build as trt_build
-from specdeploy.trtllm import convert, formats
+from specdeploy.trtllm import convert, releases
 from specdeploy.trtllm.formats import SPECULATIVE_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
+FLAGS = json.loads((ROOT / "tests" / "data" / "trtllm_build_flags.json").read_text())
+
+
+def release_parser(line: str) -> argparse.ArgumentParser:
+    """trtllm-build's command line as release `line` parses it: the options it has, with their arity
+    and, where the option restricts them, its choices."""
+    parser = argparse.ArgumentParser(prog=f"trtllm-build {line}", exit_on_error=False, add_help=False)
+    for flag in FLAGS["releases"][line]["value"]:
+        kwargs = {"nargs": "+"} if flag in FLAGS["nargs_plus"] else {"type": int} if flag in FLAGS["int"] else {}
+        parser.add_argument(flag, choices=FLAGS["choices"].get(flag), **kwargs)
+    for flag in FLAGS["store_true"]:
+        parser.add_argument(flag, action="store_true")
+    return parser
+
+
+def parse_as_release(argv: list[str], line: str) -> argparse.Namespace:
+    """`argv` (a trtllm-build command) parsed by release `line`'s options; argparse refuses the rest."""
+    assert argv[0] == "trtllm-build"
+    args, unknown = release_parser(line).parse_known_args(argv[1:])
+    assert not unknown, f"trtllm-build {line} has no option(s) {unknown}"
+    return args
 
 
 def _medusa_module(hidden: int = 64, vocab: int = 384, heads: int = 3) -> dict[str, torch.Tensor]:
@@ -87,19 +110,59 @@ def test_draft_target_plan_builds_the_target_for_external_drafts(tiny_llama_dir,
     assert "--gather_generation_logits" in draft and _flag(draft, "--output_dir") == "{engines}/draft"
 
 
-@pytest.mark.parametrize("quantization, flags", [
-    ({"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None}, {"--weight_only_groupwise_quant_matmul_plugin": "auto"}),
-    ({"quant_algo": "W8A8_SQ_PER_CHANNEL", "kv_cache_quant_algo": None}, {"--smooth_quant_gemm_plugin": "auto"}),
-    ({"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, {"--use_fp8_context_fmha": "enable", "--use_paged_context_fmha": "enable"}),
-    ({"quant_algo": None, "kv_cache_quant_algo": None}, {"--gemm_plugin": "auto"}),
-])
+QUANTIZATIONS = [
+    {"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None},
+    {"quant_algo": "W8A8_SQ_PER_CHANNEL", "kv_cache_quant_algo": None},
+    {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
+    {"quant_algo": None, "kv_cache_quant_algo": None},
+]
+
+
+@pytest.mark.parametrize("quantization, flags", list(zip(QUANTIZATIONS, [
+    {"--gemm_plugin": "auto"},  # the groupwise weight-only plugin comes from the checkpoint (builder.py)
+    {"--gemm_plugin": "auto"},  # so do the SmoothQuant plugins
+    {"--use_fp8_context_fmha": "enable", "--use_paged_context_fmha": "enable"},
+    {"--gemm_plugin": "auto"},
+])))
 def test_quantization_plugins(quantization, flags):
     config = {"architecture": "LlamaForCausalLM", "quantization": quantization}
     argv = trt_build.engine_command(config, "target", {"kind": "none"}, trt_build.BuildLimits())
     for name, value in flags.items():
         assert _flag(argv, name) == value, name
-    if quantization["quant_algo"] != "W4A16_AWQ":
-        assert "--weight_only_groupwise_quant_matmul_plugin" not in argv
+    assert not set(argv) & set(FLAGS["not_flags"])  # PluginConfig fields the command line does not expose
+
+
+def _every_command(tiny_llama_dir: Path, tiny_draft_dir: Path, tmp_path: Path) -> list[list[str]]:
+    """The trtllm-build commands of every plan the project writes: base, Medusa, draft-target
+    (target + draft), and the base under each quantization."""
+    commands = []
+    medusa = convert.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), [[0], [0, 0], [1]]))
+    draft = convert.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=4)
+    for name, spec in (("base", None), ("medusa", medusa), ("draft", draft)):
+        convert.convert_all(tiny_llama_dir, tmp_path / name, spec=spec)
+        commands += _plan(tmp_path / name)["commands"]
+    for quantization in QUANTIZATIONS:
+        config = {"architecture": "LlamaForCausalLM", "quantization": quantization}
+        commands.append(trt_build.engine_command(config, "target", {"kind": "none"}, trt_build.BuildLimits()))
+    return commands
+
+
+@pytest.mark.parametrize("line", sorted(FLAGS["releases"]))
+def test_every_generated_command_parses_as_that_releases_trtllm_build(line, tiny_llama_dir, tiny_draft_dir, tmp_path):
+    assert releases.release_for(line).engine_flow != "removed"  # the data covers exactly the lines that build engines
+    commands = _every_command(tiny_llama_dir, tiny_draft_dir, tmp_path)
+    assert len(commands) == 8
+    for argv in commands:
+        args = parse_as_release(argv, line)
+        assert args.kv_cache_type == "paged" and args.remove_input_padding == "enable"
+    # the oracle refuses what the release lacks (the flags this project used to pass)
+    with pytest.raises(AssertionError, match="has no option"):
+        parse_as_release(["trtllm-build", "--weight_only_groupwise_quant_matmul_plugin", "auto"], line)
+
+
+def test_the_flag_data_covers_every_release_with_an_engine_flow():
+    lines = {r.name for r in releases.RELEASES.values() if r.engine_flow != "removed"}
+    assert set(FLAGS["releases"]) == lines
 
 
 def test_script_is_valid_bash_and_refuses_to_run_here(tiny_llama_dir, tmp_path):
@@ -122,26 +185,28 @@ def test_script_is_valid_bash_and_refuses_to_run_here(tiny_llama_dir, tmp_path):
     assert not list((tmp_path / "engines").rglob("*.engine"))
 
 
-@pytest.mark.parametrize("version, ok", [("0.15.0", True), ("0.21.0", True), ("1.0.0", True), ("1.1.0rc2", True),
-                                         ("1.2.0", True), ("1.2.1", True), ("1.3.0rc5", True),
-                                         ("1.4.0", False), ("1.4.0rc1", False), ("2.0.1", False), ("0.14.0", False)])
+@pytest.mark.parametrize("version, ok", [("1.1.0", True), ("1.1.0rc5", True), ("1.2.0", True), ("1.2.1", True),
+                                         ("1.3.0rc29", False), ("1.4.0rc1", False), ("1.0.0", False), ("2.0.1", False)])
 def test_version_window(version, ok, capsys):
-    """Engines are built from 0.15 up to the 1.3 line (deprecated from 1.2), not from 1.4 on."""
+    """Engines are built on the release lines whose trtllm-build was read and still has the engine
+    flow (1.1, and 1.2 where it is deprecated); 1.3 removed it; other lines were never checked."""
     if ok:
         trt_build.check_engine_flow_version(version)
-        assert ("deprecated" in capsys.readouterr().out) == (version >= "1.2")
+        assert ("deprecated" in capsys.readouterr().out) == version.startswith("1.2")
     else:
         with pytest.raises(SpecDeployError) as err:
             trt_build.check_engine_flow_version(version)
-        if formats.parse_version(version) >= (1, 4):
-            assert "--route llmapi" in err.value.hint and "removed for the 1.4 line" in str(err.value)
+        if releases.parse_version(version) in ((1, 3), (1, 4)):
+            assert "--route llmapi" in err.value.hint and "removed in the 1.3 line" in str(err.value)
+        else:
+            assert "was not checked" in str(err.value)
 
 
 def test_host_checks(monkeypatch):
     """Built only with tensorrt_llm importable, in the window, and a GPU visible."""
     monkeypatch.setattr(trt_build, "trtllm_version", lambda: None)
     assert trt_build.host_can_build() == (False, "tensorrt_llm is not importable on this host (it cannot be installed on these machines)")
-    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.0.0")
+    monkeypatch.setattr(trt_build, "trtllm_version", lambda: "1.1.0")
     monkeypatch.setattr(trt_build, "gpu_visible", lambda: False)
     assert trt_build.host_can_build()[0] is False
     monkeypatch.setattr(trt_build, "gpu_visible", lambda: True)

@@ -1,6 +1,6 @@
-"""The LLM-API route (TensorRT-LLM >= 1.2): every speculative_config it writes, checked against
-the field sets of each release line it names (read from llm_args.py, sources and commits in
-specdeploy/trtllm/formats.py), the combinations it refuses and why, and the EAGLE-3 draft folder."""
+"""The LLM-API route: every speculative_config it writes, checked against the field sets of each
+release line it names (read from each release's llm_args.py; sources in specdeploy/trtllm/
+releases.py and docs/releases.md), the combinations it refuses and why, and the draft folders."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
-from specdeploy.trtllm import convert, formats, llmapi
+from specdeploy.trtllm import convert, llmapi, releases
 from specdeploy.trtllm.llmapi import DraftStructure
 
-RELEASES = list(formats.RELEASES.values())
+RELEASES = list(releases.RELEASES.values())
 CHAIN = DraftStructure.make("chain", 4)
 DYNAMIC = DraftStructure.make("dynamic", 3, topk=2, total=5)
 EAGLE3_CFG = {
@@ -29,11 +29,25 @@ EAGLE3_CFG = {
 }
 
 
-def check_fields(config: dict, release: formats.Release) -> None:
+def check_fields(config: dict, release: releases.Release) -> None:
     """What TRT-LLM's StrictBaseModel would do: refuse any key the release's config class lacks."""
-    assert config["decoding_type"] in formats.DECODING_TYPES.values()
-    assert set(config) <= release.fields(config["decoding_type"]), set(config) - release.fields(config["decoding_type"])
-    assert "eagle_choices" not in config  # discouraged in 1.2, deprecated in 1.3, removed in 1.4
+    assert config["decoding_type"] in release.decoding_types.values()
+    assert set(config) - {"decoding_type"} <= release.fields(config["decoding_type"])
+    assert "eagle_choices" not in config  # discouraged in 1.1/1.2, deprecated in 1.3, removed in 1.4
+    assert "eagle3_one_model" not in config  # two-model EAGLE-3 is deprecated in 1.2 and gone from 1.3 on
+
+
+# What each release line's LLM API takes, as read (releases.py names the sources): 1.1 from the
+# llm_args.py of main at 1.1.0rc6 (Ataraksia/TensorRT-LLM @ a451bf93; from_dict keys "Eagle",
+# "DraftTarget", field speculative_model_dir); 1.2 from a 1.2-era llm_args.py (index file 7019226376)
+# and NVIDIA's Triton guide for the 1.2.x containers (tutorials @ 4fe2b90: Eagle3, Draft_Target,
+# speculative_model); 1.3 / 1.4 from the 1.3.0rc27 / 1.4.0rc1 API reference pages.
+SCHEMA = {
+    "1.1": ("Eagle", "DraftTarget", "speculative_model_dir"),
+    "1.2": ("Eagle3", "Draft_Target", "speculative_model"),
+    "1.3": ("Eagle3", "Draft_Target", "speculative_model"),
+    "1.4": ("Eagle3", "Draft_Target", "speculative_model"),
+}
 
 
 @pytest.mark.parametrize("release", RELEASES, ids=lambda r: r.name)
@@ -48,22 +62,24 @@ def test_every_config_fits_the_release_it_names(release):
     for config in configs:
         check_fields(config, release)
     eagle, draft, ngram = configs[:3]
-    assert eagle == {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "$BUILD_DIR/d",
+    eagle_type, draft_type, model_key = SCHEMA[release.name]
+    assert eagle == {"decoding_type": eagle_type, "max_draft_len": 4, model_key: "$BUILD_DIR/d",
                      "eagle3_layers_to_capture": [1, 3, 26]}  # explicit: TRT-LLM's default set collapses on shallow bases
-    assert draft == {"decoding_type": "Draft_Target", "max_draft_len": 4, "speculative_model": "$BUILD_DIR/trtllm_ckpt/draft_model"}
+    assert draft == {"decoding_type": draft_type, "max_draft_len": 4, model_key: "$BUILD_DIR/trtllm_ckpt/draft_model"}
     assert ngram == {"decoding_type": "NGram", "max_draft_len": 4, **llmapi.NGRAM_DEFAULTS}
     assert llmapi.llm_options(ngram)["disable_overlap_scheduler"] is True
     assert "disable_overlap_scheduler" not in llmapi.llm_options(eagle)
 
 
 def test_dynamic_tree_only_where_the_release_has_it():
-    config = llmapi.speculative_config("eagle", DYNAMIC, formats.RELEASES[(1, 3)], draft="/d", layers_to_capture=[1])
+    config = llmapi.speculative_config("eagle", DYNAMIC, releases.RELEASES[(1, 3)], draft="/d", layers_to_capture=[1])
     assert (config["use_dynamic_tree"], config["dynamic_tree_max_topK"], config["max_total_draft_tokens"], config["max_draft_len"]) == (True, 2, 5, 3)
-    with pytest.raises(SpecDeployError, match="1.2 has no EAGLE-3 dynamic tree") as err:
-        llmapi.speculative_config("eagle", DYNAMIC, formats.RELEASES[(1, 2)], draft="/d")
-    assert "--trtllm-version 1.3" in err.value.hint
+    for old in ((1, 1), (1, 2)):
+        with pytest.raises(SpecDeployError, match=f"{old[0]}.{old[1]} has no EAGLE-3 dynamic tree") as err:
+            llmapi.speculative_config("eagle", DYNAMIC, releases.RELEASES[old], draft="/d")
+        assert "--trtllm-version 1.3" in err.value.hint
     with pytest.raises(SpecDeployError, match="EAGLE-3 only"):
-        llmapi.speculative_config("ngram", DYNAMIC, formats.RELEASES[(1, 3)])
+        llmapi.speculative_config("ngram", DYNAMIC, releases.RELEASES[(1, 3)])
     # TRT-LLM's bounds: max_draft_len <= max_total_draft_tokens <= topK * max_draft_len
     with pytest.raises(SpecDeployError, match=r"outside \[max_draft_len 3, topK \* max_draft_len 6\]"):
         DraftStructure.make("dynamic", 3, topk=2, total=7)
@@ -71,24 +87,50 @@ def test_dynamic_tree_only_where_the_release_has_it():
 
 
 def test_release_lines_as_read():
-    assert formats.RELEASES[(1, 2)].static_tree == "discouraged" and not formats.RELEASES[(1, 2)].dynamic_tree
-    assert formats.RELEASES[(1, 3)].static_tree == "deprecated" and formats.RELEASES[(1, 3)].dynamic_tree
-    assert "eagle_choices" not in formats.RELEASES[(1, 4)].eagle_fields  # PR #18210
-    assert formats.llmapi_release("1.2.0rc6").name == "1.2" and formats.llmapi_release("1.1.0") is None
-    assert formats.llmapi_release(formats.DEFAULT_TRTLLM_VERSION).name == "1.2"
+    table = releases.RELEASES
+    assert table[(1, 2)].static_tree == "discouraged" and not table[(1, 2)].dynamic_tree
+    assert table[(1, 3)].static_tree == "deprecated" and table[(1, 3)].dynamic_tree
+    assert "eagle_choices" not in table[(1, 4)].fields("Eagle3")  # PR #18210
+    assert all("eagle3_one_model" not in r.fields("Eagle3") for r in (table[(1, 3)], table[(1, 4)]))
+    assert releases.release_for("1.2.0rc6").name == "1.2" and releases.release_for("1.1.0").name == "1.1"
     with pytest.raises(SpecDeployError, match="1.5.0 was not checked"):
-        formats.llmapi_release("1.5.0")
-    assert [formats.has_engine_flow(v) for v in ("0.15.0", "1.2.1", "1.3.0rc4", "1.4.0", "0.14.0")] == [True, True, True, False, False]
+        releases.release_for("1.5.0")
+    with pytest.raises(SpecDeployError, match="1.0.0 was not checked"):
+        releases.release_for("1.0.0")
+    assert [releases.has_engine_flow(v) for v in ("1.1.0", "1.2.1", "1.3.0rc29", "1.4.0rc1")] == [True, True, False, False]
+    # the serve flag: --config arrived in 1.2 (PR #9104); 1.1's trtllm-serve has --extra_llm_api_options only
+    assert [r.serve_flag for r in RELEASES] == ["--extra_llm_api_options", "--config", "--config", "--config"]
+    # each release's own transformers pin (its wheel's Requires-Dist)
+    assert [r.transformers for r in RELEASES] == ["4.56.0", "4.57.3", "5.5.4", "5.5.4"]
 
 
-@pytest.mark.parametrize("kind, quant, release, reason", [
-    ("medusa", None, (1, 3), "no medusa speculative decoding"),
-    ("none", "W8A8_SQ_PER_CHANNEL", (1, 2), "no INT8 SmoothQuant"),
-    ("eagle", None, None, "needs TensorRT-LLM >= 1.2"),
+def test_the_default_release_and_its_image_agree():
+    """The default build targets 1.2.1, which Triton's compatibility matrix puts in the 26.04-26.07
+    trtllm-python-py3 images (server docs/introduction/compatibility.md @ e1db8a603)."""
+    default = releases.release_for(releases.DEFAULT_TRTLLM_VERSION)
+    assert (default.version, default.triton_image) == ("1.2.1", "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3")
+    assert releases.RELEASES[(1, 1)].triton_image == "nvcr.io/nvidia/tritonserver:26.02-trtllm-python-py3"
+    assert all(r.triton_image is None and "no NGC Triton image" in r.triton_image_note for r in RELEASES[2:])
+    assert default.as_dict()["serve_image"] == "nvcr.io/nvidia/tensorrt-llm/release:1.2.1"
+
+
+@pytest.mark.parametrize("kind, quant, kv, release, reason", [
+    ("medusa", None, None, (1, 3), "no medusa speculative decoding"),
+    ("none", "W8A8_SQ_PER_CHANNEL", None, (1, 2), "no INT8 SmoothQuant"),
+    ("eagle", "FP8", "FP8", (1, 1), "only from 1.2 on (PR #8910"),
+    ("dflash", None, None, (1, 2), "no DFlash"),
 ])
-def test_refused_combinations_give_their_reason(kind, quant, release, reason):
-    assert reason in llmapi.refusal(kind, quant, formats.RELEASES.get(release))
-    assert llmapi.refusal("eagle", "FP8", formats.RELEASES[(1, 2)]) is None
+def test_refused_combinations_give_their_reason(kind, quant, kv, release, reason):
+    assert reason in llmapi.refusal(kind, quant, releases.RELEASES[release], kv)
+
+
+@pytest.mark.parametrize("release", RELEASES, ids=lambda r: r.name)
+def test_the_default_build_has_an_llmapi_route_where_the_release_runs_it(release):
+    """EAGLE-3 on FP8 weights + FP8 KV (the default build): 1.2 on; 1.1 runs it with a bf16 KV cache."""
+    expected = None if release.fp8_kv_eagle3 else "PR #8910"
+    reason = llmapi.refusal("eagle", "FP8", release, "FP8")
+    assert (reason is None) if expected is None else (expected in reason)
+    assert llmapi.refusal("eagle", "FP8", release, None) is None
 
 
 def test_int8_sq_goes_to_the_engine_flow_and_is_refused_on_the_llm_api(tiny_llama_dir, tmp_path):
@@ -135,16 +177,19 @@ def test_eagle3_draft_folder_takes_the_form_every_loader_accepts(tiny_llama_dir,
     summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, spec_dir=tmp_path / "spec",
                                      base_dir=tiny_llama_dir, root=tmp_path)  # ... this route takes it
     config = summary["llmapi"]["speculative_config"]
-    check_fields(config, formats.RELEASES[(1, 2)])
+    check_fields(config, releases.RELEASES[(1, 2)])
     assert config == {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "$BUILD_DIR/out/llmapi/eagle3_draft",
                       "eagle3_layers_to_capture": [0, 1]}
     draft = tmp_path / "out" / "llmapi" / "eagle3_draft"
     exported = load_file(str(draft / "model.safetensors"))
     assert {k for k in exported if k.startswith("midlayer.")} and not any(k.startswith("layers.") for k in exported)
-    assert torch.equal(exported["fc.weight"], module["eagle_module.fc.weight"])  # the trained weights, not a fresh init
-    assert torch.equal(exported["midlayer.hidden_norm.weight"], module["eagle_module.layers.0.hidden_norm.weight"])
+    # the trained weights, not a fresh init, in the deployment's dtype (bf16; ModelOpt exports fp32)
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert torch.equal(exported["fc.weight"], module["eagle_module.fc.weight"].to(torch.bfloat16))
+    assert torch.equal(exported["midlayer.hidden_norm.weight"], module["eagle_module.layers.0.hidden_norm.weight"].to(torch.bfloat16))
     draft_config = json.loads((draft / "config.json").read_text())
     assert "Eagle3" in draft_config["architectures"][0]
+    assert draft_config["torch_dtype"] == draft_config["dtype"] == "bfloat16"
     assert draft_config["rope_scaling"] is None  # the plain RoPE it was trained with, not ModelOpt's injected YaRN
     assert summary["engine_flow"] is False and "EAGLE-1/2" in summary["engine_reason"]
 
@@ -178,13 +223,17 @@ def test_pipeline_stages_with_an_eagle3_module(tiny_llama_dir, tmp_path):
 
 
 def test_a_build_without_any_route_says_why_for_each(tiny_llama_dir, tmp_path):
+    """EAGLE-3 on an FP8 KV cache for 1.1: no engine flow for EAGLE-3, no one-model EAGLE-3 on FP8 KV."""
     spec_dir = tmp_path / "spec"
     _eagle3_spec(tiny_llama_dir, spec_dir)
-    summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", convert.load_spec(spec_dir), trtllm_version="1.1.0")
+    model = tmp_path / "fp8kv"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
+    summary = convert.convert_routes(model, tmp_path / "out", convert.load_spec(spec_dir), trtllm_version="1.1.0")
     assert summary["engine_flow"] is False and summary["llmapi"] is None
-    assert "EAGLE-1/2" in summary["engine_reason"] and "needs TensorRT-LLM >= 1.2" in summary["llmapi_reason"]
-    with pytest.raises(SpecDeployError, match="needs TensorRT-LLM >= 1.2"):  # insisting on a route it lacks
-        convert.convert_routes(tiny_llama_dir, tmp_path / "x", convert.load_spec(spec_dir), route="llmapi", trtllm_version="1.1.0")
+    assert "EAGLE-1/2" in summary["engine_reason"] and "PR #8910" in summary["llmapi_reason"]
+    with pytest.raises(SpecDeployError, match="--kv-cache none"):  # insisting on a route it lacks
+        convert.convert_routes(model, tmp_path / "x", convert.load_spec(spec_dir), route="llmapi", trtllm_version="1.1.0")
 
 
 def test_a_quantized_module_from_quantize_spec_is_refused_with_the_reason(tiny_llama_dir, tmp_path):
@@ -228,7 +277,7 @@ DFLASH = {"mask_token_id": 383, "target_layer_ids": [1]}
 def test_dflash_config_only_where_the_release_has_it(release):
     chain = DraftStructure.make("chain", 3)
     if not release.dflash:
-        assert release.name == "1.2"  # DFlashDecodingConfig arrived in the 1.3 line
+        assert release.line < (1, 3)  # DFlashDecodingConfig arrived in the 1.3 line
         assert "no DFlash" in llmapi.refusal("dflash", None, release)
         with pytest.raises(SpecDeployError, match="no DFlash"):
             llmapi.speculative_config("dflash", chain, release, draft="/d", dflash=DFLASH)
@@ -244,22 +293,50 @@ def test_dflash_config_only_where_the_release_has_it(release):
 def test_dflash_routes_and_draft_folder(tiny_llama_dir, tmp_path):
     module = dflash_spec(tiny_llama_dir, tmp_path / "spec")
     spec = convert.load_spec(tmp_path / "spec")
-    with pytest.raises(SpecDeployError, match="LLM API only"):  # no engine flow for it
-        convert.convert_routes(tiny_llama_dir, tmp_path / "engine", spec, route="engine", trtllm_version="1.3.0")
+    with pytest.raises(SpecDeployError, match="LLM API only"):  # no engine flow for it, even where the release has one
+        convert.convert_routes(tiny_llama_dir, tmp_path / "engine", spec, route="engine")
     refused = convert.convert_routes(tiny_llama_dir, tmp_path / "old", spec, spec_dir=tmp_path / "spec", root=tmp_path)
     assert refused["llmapi"] is None and "no DFlash" in refused["llmapi_reason"]  # the default release, 1.2
     summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, spec_dir=tmp_path / "spec",
                                      base_dir=tiny_llama_dir, root=tmp_path, trtllm_version="1.3.0")
     config = summary["llmapi"]["speculative_config"]
-    check_fields(config, formats.RELEASES[(1, 3)])
+    check_fields(config, releases.RELEASES[(1, 3)])
     assert config == {"decoding_type": "DFlash", "max_draft_len": 3,  # the whole block: block_size - 1
                       "speculative_model": "$BUILD_DIR/out/llmapi/dflash_draft", **DFLASH}
     draft = tmp_path / "out" / "llmapi" / "dflash_draft"
     draft_config = json.loads((draft / "config.json").read_text())
     assert draft_config["architectures"] == ["DFlashDraftModel"] and draft_config["block_size"] == 4
     assert draft_config["dflash_config"]["mask_token_id"] == 383 and draft_config["num_target_layers"] == 2
+    assert draft_config["torch_dtype"] == draft_config["dtype"] == "bfloat16"
     exported = load_file(str(draft / "model.safetensors"))
-    assert torch.equal(exported["fc.weight"], module["dflash_module.fc.weight"])  # the module's weights
+    assert torch.equal(exported["fc.weight"], module["dflash_module.fc.weight"].to(torch.bfloat16))  # the module's, cast
     with pytest.raises(SpecDeployError, match="at most block_size - 1 = 3"):
         convert.convert_routes(tiny_llama_dir, tmp_path / "long", convert.load_spec(tmp_path / "spec", max_draft_len=5),
                                spec_dir=tmp_path / "spec", root=tmp_path, trtllm_version="1.3.0", route="llmapi")
+
+
+# ------------------------------------------------------------------------------ speculation at scale
+
+CPU_PLAN = {"plan": {"ar_tokens_per_s": 20.0, "estimates": [{"shape": "chain 1", "round_s": 0.055},
+                                                             {"shape": "chain 4", "round_s": 0.08}]},
+            "load": {"spec_off_above": 4}}
+
+
+def test_scale_knobs_start_from_the_cpu_planners_break_even():
+    # a chain-4 round took 0.08 s = 1.6 plain steps (1 / 20 tokens/s): it pays while 1 + 4 * rate > 1.6
+    assert llmapi.break_even_rate(CPU_PLAN, 4) == pytest.approx(0.15)
+    assert llmapi.break_even_rate(CPU_PLAN, 2) is None  # that chain was not measured: nothing to start from
+    assert llmapi.break_even_rate(None, 4) is None
+    expected = {
+        "1.1": {"max_concurrency": 4},
+        "1.2": {"max_concurrency": 4},
+        "1.3": {"max_concurrency": 4, "acceptance_rate_threshold": 0.15, "acceptance_rate_window_size": 128},
+        "1.4": {"max_concurrency": 4, "acceptance_rate_threshold": 0.15, "acceptance_rate_window_size": 128},
+    }
+    for release in RELEASES:
+        knobs = llmapi.scale_knobs(release, 4, CPU_PLAN)
+        assert knobs == expected[release.name], release.name
+        config = llmapi.speculative_config("eagle", CHAIN, release, draft="/d", layers_to_capture=[1])
+        check_fields(llmapi.checked_config({**config, **knobs}, release), release)
+    with pytest.raises(SpecDeployError, match=r"1.2 does not accept \['acceptance_rate_threshold'"):
+        llmapi.checked_config({"decoding_type": "Eagle3", "acceptance_rate_threshold": 0.1}, releases.RELEASES[(1, 2)])

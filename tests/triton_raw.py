@@ -77,8 +77,11 @@ class StreamClient:
 
     def generate(self, prompt: str, max_tokens: int, *, model: str = "ensemble", timeout: float = 300.0,
                  **extra: Any) -> StreamedGeneration:
-        """Send one request (streaming unless stream=False is given) and collect every response."""
+        """Send one request (streaming unless stream=False is given) and collect every response. The
+        answer leaves the prompt out unless exclude_input_in_output=False is given (TensorRT-LLM's
+        default, which the deployment keeps, is to repeat it)."""
         extra.setdefault("stream", True)
+        extra.setdefault("exclude_input_in_output", True)
         out = StreamedGeneration()
         start = time.perf_counter()
         self.client.async_stream_infer(model, grpc_inputs(prompt, max_tokens, **extra),

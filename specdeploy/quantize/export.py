@@ -8,6 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from specdeploy.errors import SpecDeployError
+from specdeploy.hfcompat import write_compatible
 from specdeploy.quantize.placement import Placement
 
 # Files of base/ the quantized folder carries over (tokenizer, chat template, generation config).
@@ -41,7 +42,10 @@ def export_checkpoint(model: nn.Module, out_dir: Path) -> None:
 
 
 def copy_tokenizer_files(base_dir: Path, out_dir: Path) -> None:
+    """Carry base/'s tokenizer files over, then make the finished folder (config.json as either
+    export path wrote it, the tokenizer) readable by the GPU host's older transformers."""
     for src in base_dir.iterdir():
         if src.is_file() and not (out_dir / src.name).exists() and src.suffix in CARRIED_SUFFIXES:
             if src.name not in NOT_CARRIED:
                 shutil.copy2(src, out_dir / src.name)
+    write_compatible(out_dir)

@@ -61,6 +61,8 @@ class BatchRequest:
     params: SamplingParams
     #: each accepted group of tokens, called from step()'s thread; raising cancels the sequence
     on_tokens: Callable[[list[int]], None] | None = None
+    #: this request's own proposer instead of the deployment's (e.g. draft tokens a client sent)
+    proposer: Proposer | None = None
 
 
 @dataclass(eq=False)  # compared and hashed by identity: usable as a dict key
@@ -77,6 +79,8 @@ class Sequence:
     first_scheduled_ns: int | None = None
     first_token_ns: int | None = None
     last_token_ns: int | None = None
+    #: the running counts while it decodes (what on_tokens may report); result.metrics when done
+    metrics: GenerationMetrics | None = None
 
 
 @dataclass
@@ -122,7 +126,7 @@ class _Row:
         self.max_new = min(params.max_new_tokens, batcher.context_length - prompt.shape[1])
         stop_ids = batcher.eos | set(params.stop_token_ids)
         self.output = _Output(self.max_new, stop_ids, params.stop_strings, batcher.decode, request.on_tokens)
-        self.metrics = GenerationMetrics(prompt_tokens=prompt.shape[1])
+        self.metrics = seq.metrics = GenerationMetrics(prompt_tokens=prompt.shape[1])
         self.pending = -1  # the emitted token not yet run through the target
         self.consumed = prompt.shape[1]  # tokens in the cache: the pending token's position
         self.unseen: Hidden = {}  # target states the proposer has not read yet
@@ -199,7 +203,7 @@ class InflightBatcher:
         prompt = _prompt_tensor(request.prompt_ids, self.context_length, self.device)
         if request.params.stop_strings and self.decode is None:
             raise SpecDeployError("stop strings need the tokenizer", hint="pass decode=tokenizer.decode")
-        proposer = self.proposer_factory() if self.proposer_factory else None
+        proposer = request.proposer or (self.proposer_factory() if self.proposer_factory else None)
         seq = Sequence(id=next(self._ids), arrival_ns=time.time_ns())
         row = _Row(seq, request, prompt, proposer, self)
         with self._lock:

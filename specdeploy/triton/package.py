@@ -6,9 +6,9 @@ GPU ones only for the routes the build really has (convert_summary.json says whi
     triton_repo/cpu/      ensemble + preprocessing + postprocessing + tensorrt_llm (Python backend
                           running specdeploy's runtime: what `specdeploy serve` serves here),
                           + tensorrt_llm_bls (the ensemble's steps as BLS: cancellable)
-    triton_repo/engine/   the engine flow (TensorRT-LLM 0.15-1.3.x, C++ tensorrtllm backend):
+    triton_repo/engine/   the engine flow (TensorRT-LLM 1.1 / 1.2, C++ tensorrtllm backend):
                           base, Medusa, draft-target (tensorrt_llm_bls + tensorrt_llm_draft)
-    triton_repo/llmapi/   the LLM API (TensorRT-LLM >= 1.2): the llmapi model and its model.yaml
+    triton_repo/llmapi/   the LLM API (PyTorch backend): the llmapi model and its model.yaml
                           (+ trtllm_serve.yaml for `trtllm-serve --config`)
     triton_repo/gpu_routes.json   which GPU routes exist, which to run, and what a GPU host needs
 
@@ -47,6 +47,7 @@ from specdeploy.trtllm import llmapi
 from specdeploy.trtllm.build import PLAN, BuildLimits
 from specdeploy.trtllm.hostpaths import build_path, resolve
 from specdeploy.trtllm.llmapi import DraftStructure
+from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, release_for
 
 STAGE = "package"
 OUT = "triton_repo"
@@ -70,7 +71,9 @@ ADAPTIVE_HELP = ("CPU deployment: fall back to plain decoding while speculation 
 _UPSTREAM = ("resolve", "spec", "quantize", "convert", "build")
 _UNSET_PARAM = re.compile(r'string_value:\s*"\$\{\w+\}"')
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
-LLMAPI_CONTAINER_DIR = "/app/all_models/llmapi/tensorrt_llm/1"  # model.py + helpers.py (+ model.yaml, ours replaces it)
+# NVIDIA's llmapi model as the container ships it (config.pbtxt, 1/model.py, 1/helpers.py): its
+# inputs and outputs are the release's own; the build brings only 1/model.yaml
+LLMAPI_CONTAINER_DIR = "/app/all_models/llmapi/tensorrt_llm"
 BLS_CONTAINER_DIR = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1"
 # sequences in the CPU deployment's in-flight batch: measured in-process on 2 cores (SmolLM2-135M,
 # float32), 8 rows decode 4.2x the tokens/s of one
@@ -143,7 +146,9 @@ def _common(tokenizer_dir: str, limits: BuildLimits, max_batch_size: int, decoup
         "postprocessing_instance_count": 1,
         "bls_instance_count": 1,
         "accumulate_tokens": False,
-        "exclude_input_in_output": True,
+        # TensorRT-LLM's backend default (the parameter unset): NVIDIA's clients that leave the input
+        # out expect the prompt in the output; specdeploy's client sends exclude_input_in_output itself
+        "exclude_input_in_output": False,
         "max_beam_width": 1,
         # the same numbers trtllm-build gets (build.BuildLimits.fit): prompt and prompt + answer
         "max_input_len": limits.max_input_len,
@@ -181,13 +186,15 @@ def _read_context_len(model_dir: Path) -> int | None:
 
 
 def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, limits: BuildLimits, *,
-                   max_batch_size: int, tree: ChoicesTree | None, max_queue: int = CPU_MAX_QUEUE) -> None:
+                   max_batch_size: int, tree: ChoicesTree | None, max_queue: int = CPU_MAX_QUEUE,
+                   decoupled: bool = True) -> None:
     """Ensemble + pre/postprocessing + the Python-backend tensorrt_llm running the runtime, whose
     in-flight batch holds up to `max_batch_size` sequences and which answers "server busy" beyond
-    `max_queue` requests in flight."""
+    `max_queue` requests in flight. `decoupled` is TensorRT-LLM's decoupled_mode: streaming, or
+    plain infer requests (which Triton refuses for a decoupled model) without it."""
     kind = deployment["spec"]["kind"]
     values = {
-        **_common(tokenizer_dir, limits, max_batch_size, decoupled=True),
+        **_common(tokenizer_dir, limits, max_batch_size, decoupled),
         # the model's execute() only queues a request and returns (its own scheduler thread batches
         # across calls): a Triton queue delay would only add latency, and Triton's queue stays empty,
         # so the bound that matters is the model's (specdeploy_max_queue, with a clear message)
@@ -205,16 +212,18 @@ def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, li
         _fill_model(out / model, ibl / model, values)
     for model in ("tensorrt_llm", "tensorrt_llm_bls"):
         shutil.copytree(TEMPLATES / "cpu" / model, out / model, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    write_cpu_bls(out / "tensorrt_llm_bls", (out / "ensemble" / "config.pbtxt").read_text())
+    write_cpu_bls(out / "tensorrt_llm_bls", (out / "ensemble" / "config.pbtxt").read_text(), decoupled=decoupled)
     _add_parameters(out / "tensorrt_llm" / "config.pbtxt",
                     {"specdeploy_max_batch_size": max_batch_size, "specdeploy_max_queue": max_queue})
     atomic_write_json(out / "tensorrt_llm" / "1" / DEPLOYMENT_FILE, deployment)
 
 
-def write_cpu_bls(out: Path, ensemble_config: str, generator: str = "tensorrt_llm") -> None:
+def write_cpu_bls(out: Path, ensemble_config: str, generator: str = "tensorrt_llm", *, decoupled: bool = True) -> None:
     """tensorrt_llm_bls for the CPU repository: the ensemble's inputs and outputs, and its steps in
     `1/steps.json`, which triton_repo/cpu/tensorrt_llm_bls/1/model.py runs so that a client's
-    cancellation reaches the `generator` step while it runs (through the ensemble it does not)."""
+    cancellation reaches the `generator` step while it runs (through the ensemble it does not).
+    Decoupled as the `generator` is. It also takes TensorRT-LLM's BLS draft-target inputs, so that
+    a client sending them gets that model's own answer: no separate draft model here."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
@@ -223,7 +232,9 @@ def write_cpu_bls(out: Path, ensemble_config: str, generator: str = "tensorrt_ll
              for step in ensemble.ensemble_scheduling.step]
     bls = model_config_pb2.ModelConfig(name=out.name, backend="python", max_batch_size=ensemble.max_batch_size,
                                        input=ensemble.input, output=ensemble.output)
-    bls.model_transaction_policy.decoupled = True
+    for name, dtype in (("num_draft_tokens", model_config_pb2.TYPE_INT32), ("use_draft_logits", model_config_pb2.TYPE_BOOL)):
+        bls.input.add(name=name, data_type=dtype, dims=[1], optional=True)
+    bls.model_transaction_policy.decoupled = decoupled
     bls.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_CPU)
     (out / "1").mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.pbtxt", text_format.MessageToString(bls))
@@ -267,11 +278,17 @@ def write_engine_repo(out: Path, kind: str, tree: ChoicesTree | None, engines: s
 
 
 def write_llmapi_repo(out: Path, model: str, summary: dict[str, Any], limits: BuildLimits, *, tp: int, pp: int,
-                      max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool) -> None:
-    """Triton's llmapi model: config.pbtxt + the one model.yaml (LLM() arguments from
-    llmapi.llm_args, the speculative part as convert wrote it), and trtllm_serve.yaml beside."""
-    _fill_model(out / "tensorrt_llm", TEMPLATES / "llmapi" / "tensorrt_llm", {})
-    args = llmapi.llm_args(summary.get("speculative_config"), tp=tp, pp=pp, max_batch_size=max_batch_size,
+                      max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool,
+                      knobs: dict[str, Any] | None = None) -> None:
+    """Triton's llmapi model: its one model.yaml (LLM() arguments from llmapi.llm_args, the
+    speculative part as convert wrote it plus the release's speculation controls at scale,
+    `knobs`), and trtllm_serve.yaml beside; the model's code and config.pbtxt come from the
+    release's container (LLMAPI_CONTAINER_DIR, copied in by build_scripts/gpu_host.sh)."""
+    (out / "tensorrt_llm" / "1").mkdir(parents=True, exist_ok=True)
+    spec_cfg = summary.get("speculative_config")
+    if spec_cfg and knobs:
+        spec_cfg = llmapi.checked_config({**spec_cfg, **knobs}, release_for(summary["release"]))
+    args = llmapi.llm_args(spec_cfg, tp=tp, pp=pp, max_batch_size=max_batch_size,
                            max_seq_len=limits.max_seq_len, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction)
     document = llmapi.model_yaml(model, args, decoupled=decoupled)
     atomic_write_text(out / "tensorrt_llm" / "1" / "model.yaml", yaml.safe_dump(document, sort_keys=False))
@@ -398,7 +415,7 @@ def plan_cpu_shape(path: Path, structure: DraftStructure | None) -> dict[str, An
 
 
 # A batch speculates where its rounds measured at least this much faster in-process: served, the
-# margin shrinks (session 8: in-process 1.01x / 1.09x at batch 2 / 3, `make loadtest` 0.85x at
+# margin shrinks (2026-11-23: in-process 1.01x / 1.09x at batch 2 / 3, `make loadtest` 0.85x at
 # concurrency 2), and a server slower under load than plain decoding is the worse mistake.
 LOAD_PAYS = 1.05
 
@@ -448,8 +465,19 @@ def _cpu_options(kind: str, structure: DraftStructure | None, tree: ChoicesTree 
 # routes
 
 
-def _routes(kind: str, converted: dict[str, Any] | None, structure: DraftStructure | None, settings: dict[str, Any]) -> dict[str, Any]:
-    """gpu_routes.json: the GPU routes this build has, the one to run, what each needs on the host."""
+def _gpu_knobs(converted: dict[str, Any], structure: DraftStructure | None, plan_file: Path) -> dict[str, Any]:
+    """The LLM-API speculation controls at scale for the build's release, seeded from the CPU
+    planner's measurement (llmapi.scale_knobs); none without a speculative config or a plan."""
+    if not (converted["llmapi"].get("speculative_config") and structure and plan_file.is_file()):
+        return {}
+    release = release_for(converted["llmapi"]["release"])
+    return llmapi.scale_knobs(release, structure.max_draft_len, json.loads(plan_file.read_text()))
+
+
+def _routes(kind: str, converted: dict[str, Any] | None, structure: DraftStructure | None, settings: dict[str, Any],
+            knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """gpu_routes.json: the GPU routes this build has, the one to run, what each needs on the host,
+    and the release they were written for (its image, pins and serve flag)."""
     converted = converted or {}
     world = converted.get("tp_size", 1) * converted.get("pp_size", 1)
     routes: dict[str, Any] = {}
@@ -457,8 +485,10 @@ def _routes(kind: str, converted: dict[str, Any] | None, structure: DraftStructu
         routes["llmapi"] = {
             "repo": f"{OUT}/llmapi", "model": "tensorrt_llm", "inputs": "llmapi", "stream": settings["decoupled"],
             "world_size": world, "request": {},
-            "container_files": {"from": LLMAPI_CONTAINER_DIR, "to": "tensorrt_llm/1", "except": ["model.yaml"]},
-            "serve": f"trtllm-serve {converted['llmapi']['model']} --config $BUILD_DIR/{OUT}/llmapi/trtllm_serve.yaml",
+            "container_files": {"from": LLMAPI_CONTAINER_DIR, "to": "tensorrt_llm", "except": ["1/model.yaml"]},
+            "trtllm_serve": {"model": converted["llmapi"]["model"], "config": f"{OUT}/llmapi/trtllm_serve.yaml"},
+            "speculation_knobs": {"values": knobs or {}, "from": "the CPU planner's measured break-even "
+                                  f"({OUT}/cpu/{PLAN_FILE}): starting points; a GPU's costs differ"},
         }
     if converted.get("engine_flow"):
         bls = kind == "draft"  # draft-target runs in the BLS model: only with num_draft_tokens, never streaming
@@ -470,8 +500,10 @@ def _routes(kind: str, converted: dict[str, Any] | None, structure: DraftStructu
             "build_engines": "engines/build_engines.sh",
         }
     recommended = next((r for r in ("llmapi", "engine") if r in routes), None)
+    version = converted.get("trtllm_version") or DEFAULT_TRTLLM_VERSION
     return {
-        "trtllm_version": converted.get("trtllm_version"), "kind": kind, "recommended": recommended, "routes": routes,
+        "trtllm_version": version, "release": release_for(version).as_dict(),
+        "kind": kind, "recommended": recommended, "routes": routes,
         "refused": {name: converted.get(f"{name}_reason") for name in ("engine", "llmapi") if name not in routes},
         "structure": structure.as_dict() if structure else None,
         "note": "paths are $BUILD_DIR/...: build_scripts/gpu_host.sh resolves them where the build is mounted",
@@ -491,7 +523,9 @@ def gpu_summary(build: BuildDir) -> list[str]:
     routes = gpu_routes(build)
     lines = []
     if routes["recommended"]:
-        lines.append(f"GPU host (TensorRT-LLM {routes['trtllm_version']}): build_scripts/gpu_host.sh {build.root} "
+        release = routes["release"]
+        image = release["triton_image"] or f"none published ({release['triton_image_note']})"
+        lines.append(f"GPU host (TensorRT-LLM {release['version']}, image {image}): build_scripts/gpu_host.sh {build.root} "
                      f"(route {routes['recommended']}: {', '.join(routes['routes'])} packaged in {build.path(OUT)})")
     else:
         lines.append("No TensorRT-LLM route for this build: nothing to run on a GPU host")
@@ -590,7 +624,7 @@ def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tr
                                  draft_model_dir=draft,
                                  adaptive=settings["adaptive"], spec_off_above=settings["spec_off_above"])
     write_cpu_repo(tmp / "cpu", deployment, os.path.relpath(tokenizer, final / "cpu" / "preprocessing"), limits,
-                   max_batch_size=settings["cpu_max_batch_size"], tree=tree)
+                   max_batch_size=settings["cpu_max_batch_size"], tree=tree, decoupled=settings["decoupled"])
     if settings["cpu_draft_shape"] == "auto" and kind != "none":
         # tmp is final's sibling (BuildDir.stage): the file's relative paths resolve alike from it
         written = tmp / "cpu" / "tensorrt_llm" / "1" / DEPLOYMENT_FILE
@@ -608,10 +642,12 @@ def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tr
     if converted and converted.get("engine_flow"):
         write_engine_repo(tmp / "engine", kind, tree, build_path(build.path("engines"), root), build_path(tokenizer, root),
                           limits, **gpu)
+    knobs = None
     if converted and converted.get("llmapi"):
+        knobs = _gpu_knobs(converted, structure, tmp / "cpu" / PLAN_FILE)
         write_llmapi_repo(tmp / "llmapi", converted["llmapi"]["model"], converted["llmapi"], limits,
-                          tp=converted["tp_size"], pp=converted["pp_size"], **gpu)
-    routes = _routes(kind, converted, structure, settings)
+                          tp=converted["tp_size"], pp=converted["pp_size"], knobs=knobs, **gpu)
+    routes = _routes(kind, converted, structure, settings, knobs)
     atomic_write_json(tmp / ROUTES_FILE, routes)
     atomic_write_text(tmp / "README.md", _readme(routes))
 
@@ -630,16 +666,18 @@ def _readme(routes: dict[str, Any]) -> str:
     lines = ["# Triton model repositories (written by `specdeploy package`)", "",
              "- `cpu/`: served here by `specdeploy serve` (Python backend, specdeploy runtime); paths relative to each model."]
     if "engine" in routes["routes"]:
-        lines.append("- `engine/`: TensorRT-LLM engine flow (0.15-1.3.x, C++ `tensorrtllm` backend). Engines come from "
+        lines.append("- `engine/`: TensorRT-LLM engine flow (1.1 / 1.2, C++ `tensorrtllm` backend). Engines come from "
                      "`engines/build_engines.sh`; `tensorrt_llm_bls/1/` takes the container's BLS code "
                      f"({BLS_CONTAINER_DIR}). `fill_template_args.txt` holds the values in fill_template.py's syntax.")
         if routes["routes"]["engine"]["model"] == "tensorrt_llm_bls":
             lines.append("  Draft-target runs in `tensorrt_llm_bls`: send `num_draft_tokens` "
                          f"({routes['routes']['engine']['request']['num_draft_tokens']}) with each request; it does not stream.")
     if "llmapi" in routes["routes"]:
-        lines.append(f"- `llmapi/`: TensorRT-LLM >= 1.2 LLM API: copy everything in {LLMAPI_CONTAINER_DIR} but model.yaml "
-                     "(model.py imports helpers.py) into `llmapi/tensorrt_llm/1/`; `trtllm_serve.yaml` is the same "
-                     "configuration for `trtllm-serve --config`.")
+        lines.append(f"- `llmapi/`: TensorRT-LLM's LLM API (PyTorch backend): copy everything in {LLMAPI_CONTAINER_DIR} but "
+                     "1/model.yaml (config.pbtxt; model.py, which imports helpers.py) into `llmapi/tensorrt_llm/`; "
+                     "`trtllm_serve.yaml` is the same "
+                     f"configuration for `trtllm-serve {routes['release']['serve_flag']}` (gpu_host.sh --assemble writes it "
+                     "with its paths resolved).")
     lines += [f"- no `{name}/`: {why}" for name, why in routes["refused"].items() if why]
     lines += ["", "GPU-side paths read `$BUILD_DIR/...`: `build_scripts/gpu_host.sh build/<name>` resolves them where the "
               "build is mounted, assembles the repository, starts the server and runs `specdeploy verify` against it "
@@ -686,7 +724,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=64, help="engine/llmapi max batch size")
     add_cpu_deployment_args(parser, draft_shape="fixed")
     parser.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)
-    parser.add_argument("--no-stream", action="store_true", help="non-decoupled GPU configs (no streaming)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="non-decoupled repositories, CPU and GPU (TensorRT-LLM's decoupled_mode false): plain "
+                             "infer requests are answered, streaming ones refused")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,18 +1,20 @@
 """`specdeploy build` (stage `build`): the trtllm-build commands for the converted checkpoints,
 written to engines/build_engines.sh + engines/build_plan.json, and run only where they can run.
 
-trtllm-build runs here only when `tensorrt_llm` is importable, its version is inside the engine-
-flow window (formats.ENGINE_FLOW_WINDOW: deprecated in 1.2/1.3, removed for the 1.4 line) and a
-GPU is visible. Anywhere else - this project's CPU machines included - nothing is faked: the
+trtllm-build runs here only when `tensorrt_llm` is importable, its release line has the engine
+flow (releases.py: 1.1, and 1.2 where it is deprecated; removed in the 1.3 line) and a GPU is
+visible. Anywhere else - this project's CPU machines included - nothing is faked: the
 stage says plainly that no engine was built and how to build them (the script, inside NVIDIA's
 container, via build_scripts/gpu_host.sh or build_scripts/build_engines.sh).
 
-Flags (tensorrt_llm/commands/build.py @ 008b2b8d and plugin/plugin.py, see formats.py):
---speculative_decoding_mode {medusa, draft_tokens_external} with --max_draft_len = the number of
-nodes of the Medusa choices tree or the draft length (draft-target: without it the target
-rejects every draft token, shared/facts.md); draft-target uses the paged context FMHA for KV
-reuse; INT4 AWQ -> --weight_only_groupwise_quant_matmul_plugin, INT8 SQ ->
---smooth_quant_gemm_plugin, FP8 KV cache -> --use_fp8_context_fmha enable. --max_seq_len and
+Flags: only what trtllm-build's parser takes in 1.1 and 1.2 (tensorrt_llm/commands/build.py and
+plugin/plugin.py cli_plugin_args; tests/data/trtllm_build_flags.json names the snapshots read and
+tests parse every generated command against them). --speculative_decoding_mode {medusa,
+draft_tokens_external} with --max_draft_len = the number of nodes of the Medusa choices tree or
+the draft length (draft-target: without it the target rejects every draft token); draft-target
+uses the paged context FMHA for KV reuse; FP8 KV cache -> --use_fp8_context_fmha enable. INT4 AWQ
+and INT8 SQ need no flag: builder.py enables their GEMM plugins from the checkpoint's quantization
+(formats.py), and the command line has no flag for either. --max_seq_len and
 --max_input_len never exceed the model's context (max_position_embeddings): the Triton
 repositories declare the same numbers (triton/package.py).
 """
@@ -33,14 +35,13 @@ from typing import Any
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
-from specdeploy.trtllm.formats import (DEFAULT_IMAGE, ENGINE_FLOW_DEPRECATED, ENGINE_FLOW_MAX_EXCLUSIVE, ENGINE_FLOW_MIN,
-                                       ENGINE_FLOW_WINDOW, parse_version)
+from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, ENGINE_FLOW_LINES, RELEASES, release_for
 
 STAGE, OUT = "build", "engines"
 SCRIPT, PLAN = "build_engines.sh", "build_plan.json"
-CONTAINER_HINT = (f"on a GPU host, build_scripts/gpu_host.sh build/<name> (image {DEFAULT_IMAGE}, TensorRT-LLM 1.2.1) builds "
-                  "them, serves and verifies; or run engines/build_engines.sh inside a TensorRT-LLM 0.15-1.3.x container "
-                  "(see build_scripts/README.md)")
+ENGINE_FLOW_WINDOW = " and ".join(RELEASES[line].version for line in ENGINE_FLOW_LINES)
+CONTAINER_HINT = ("on a GPU host, build_scripts/gpu_host.sh build/<name> builds them in the image of the build's release, serves "
+                  "and verifies; or run build_scripts/build_engines.sh build/<name> (see build_scripts/README.md)")
 
 
 @dataclass(frozen=True)
@@ -62,20 +63,18 @@ class BuildLimits:
 # ------------------------------------------------------------------------- host checks
 
 def check_engine_flow_version(version: str) -> None:
-    """Refuse TRT-LLM versions without the engine flow (or too old for --kv_cache_type)."""
-    v = parse_version(version)
-    if v >= ENGINE_FLOW_MAX_EXCLUSIVE:
+    """Refuse TRT-LLM versions without the engine flow, or whose trtllm-build was not read."""
+    release = release_for(version)
+    if release.engine_flow == "removed":
         raise SpecDeployError(
-            f"TensorRT-LLM {version} has no trtllm-build / engine flow (removed for the 1.4 line); supported window: {ENGINE_FLOW_WINDOW}",
+            f"TensorRT-LLM {version} has no trtllm-build / engine flow (removed in the 1.3 line); "
+            f"engine flow checked for: {ENGINE_FLOW_WINDOW}",
             hint="use the LLM-API route: `specdeploy convert --route llmapi` writes the speculative_config YAML "
                  "for trtllm-serve and Triton's llmapi model.yaml (EAGLE-3, draft-target, n-gram)",
         )
-    if v < ENGINE_FLOW_MIN:
-        raise SpecDeployError(f"TensorRT-LLM {version} is older than this project supports ({ENGINE_FLOW_WINDOW})",
-                              hint="use a TensorRT-LLM 0.15-1.3.x container")
-    if v >= ENGINE_FLOW_DEPRECATED:
+    if release.engine_flow == "deprecated":
         print(f"note: TensorRT-LLM {version} still builds engines, but the engine flow is deprecated there "
-              "(removed for 1.4); the LLM-API route is the one that stays")
+              "(removed in 1.3); the LLM-API route is the one that stays")
 
 
 def trtllm_version() -> str | None:
@@ -119,13 +118,9 @@ def host_can_build() -> tuple[bool, str]:
 # --------------------------------------------------------------------------------- the plan
 
 def quant_flags(quantization: dict[str, Any]) -> list[str]:
+    """INT4 AWQ / INT8 SQ need none: trtllm-build enables their GEMM plugins from the checkpoint."""
     flags = ["--gemm_plugin", "auto"]
-    algo, kv = quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo")
-    if algo == "W4A16_AWQ":
-        flags += ["--weight_only_groupwise_quant_matmul_plugin", "auto"]
-    if algo == "W8A8_SQ_PER_CHANNEL":
-        flags += ["--smooth_quant_gemm_plugin", "auto"]
-    if kv == "FP8":
+    if quantization.get("kv_cache_quant_algo") == "FP8":
         flags += ["--use_fp8_context_fmha", "enable"]
     return flags
 
@@ -184,7 +179,7 @@ def make_plan(ckpt_root: Path, limits: BuildLimits = BuildLimits()) -> dict[str,
         checkpoints[role] = {"architecture": config["architecture"], "mapping": config["mapping"],
                              "quantization": config["quantization"], "max_draft_len": config.get("max_draft_len")}
         commands.append(engine_command(config, role, summary, limits))
-    plan = {"trtllm_version_window": ENGINE_FLOW_WINDOW, "spec": summary, "limits": limits.__dict__,
+    plan = {"trtllm_version": summary.get("trtllm_version") or DEFAULT_TRTLLM_VERSION, "spec": summary, "limits": limits.__dict__,
             "checkpoints": checkpoints, "commands": commands, "world_size": summary["tp_size"] * summary["pp_size"],
             "engine_flow": bool(commands), "notes": plan_notes(checkpoints, summary)}
     if not commands:
@@ -199,13 +194,13 @@ def model_context(checkpoint: Path) -> int | None:
 
 
 def render_script(plan: dict[str, Any]) -> str:
-    """A bash script that runs the plan in NVIDIA's container, paths relative to its own folder."""
-    lo = ".".join(map(str, ENGINE_FLOW_MIN))
-    hi = ".".join(map(str, ENGINE_FLOW_MAX_EXCLUSIVE))
+    """A bash script that runs the plan in NVIDIA's container, paths relative to its own folder; it
+    refuses a container whose TensorRT-LLM line is not the one whose trtllm-build the flags fit."""
+    release = release_for(plan["trtllm_version"])
     lines = [
         "#!/usr/bin/env bash",
         "# Generated by `specdeploy build`: builds the TensorRT-LLM engines for this build directory.",
-        f"# Run inside NVIDIA's TensorRT-LLM container, engine flow {ENGINE_FLOW_WINDOW}, on a GPU host.",
+        f"# Run inside NVIDIA's container for TensorRT-LLM {release.name} ({release.triton_image}), on a GPU host.",
         "set -euo pipefail",
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         'CKPT_DIR="${CKPT_DIR:-$HERE/../trtllm_ckpt}"',
@@ -215,9 +210,9 @@ def render_script(plan: dict[str, Any]) -> str:
         "python3 - <<'PY'",
         "import sys, tensorrt_llm",
         "v = tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in tensorrt_llm.__version__.split('.')[:2])",
-        f"if not ({tuple(ENGINE_FLOW_MIN)} <= v < {tuple(ENGINE_FLOW_MAX_EXCLUSIVE)}):",
-        f"    sys.exit(f'TensorRT-LLM {{tensorrt_llm.__version__}} is outside the engine-flow window >={lo},<{hi}: "
-        "use the LLM-API route (`specdeploy convert --route llmapi`) instead')",
+        f"if v != {release.line}:",
+        f"    sys.exit(f'TensorRT-LLM {{tensorrt_llm.__version__}} is not the {release.name} line this build was written for: "
+        f"use {release.triton_image}, or convert again with --trtllm-version set to the container version')",
         "PY",
         'nvidia-smi -L >/dev/null || { echo "no GPU visible" >&2; exit 4; }',
     ]
@@ -297,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not plan.get("engine_flow", True):
         print(f"no TensorRT-LLM engines for this build: {plan.get('reason')}")
-        print(f"This build's GPU route is the LLM API (TensorRT-LLM >= 1.2): {build.path('trtllm_ckpt')}/llmapi/, packaged as "
+        print(f"This build's GPU route is the LLM API: {build.path('trtllm_ckpt')}/llmapi/, packaged as "
               f"triton_repo/llmapi by `specdeploy package`; build_scripts/gpu_host.sh {build.root} serves and verifies it.")
         return 0
     print(f"engines were NOT built on this host: {plan.get('host')}.")

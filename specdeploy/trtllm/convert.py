@@ -9,9 +9,9 @@ Output (build/<name>/trtllm_ckpt/):
                                                eagle3_draft/, llmapi_summary.json
     convert_summary.json                       which routes this build has, and why not the others
 
-Which routes: the engine flow (TRT-LLM 0.15 - 1.3.x: base, Medusa, draft-target) and the LLM-API
-route (TRT-LLM >= 1.2: EAGLE-3, draft-target, n-gram, base), each where the spec kind, the
-quantization and the release named by --trtllm-version allow it. Engine-flow EAGLE-1/2 is not
+Which routes: the engine flow (TRT-LLM 1.1 and 1.2: base, Medusa, draft-target) and the LLM-API
+route (every line read, 1.1-1.4: EAGLE-3, DFlash from 1.3, draft-target, n-gram, base), each
+where the spec kind, the quantization and the release named by --trtllm-version allow it. Engine-flow EAGLE-1/2 is not
 converted: the spec stage trains EAGLE-3, which only the LLM API runs.
 
 Config fields and tensor names follow TensorRT-LLM's own sources, cited field by field in
@@ -38,11 +38,12 @@ from tqdm import tqdm
 from specdeploy.choices import ChoicesTree, validate_choices
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_bytes, atomic_write_json
+from specdeploy.hfcompat import write_compatible
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.trtllm import llmapi, specmodules
-from specdeploy.trtllm.formats import DEFAULT_TRTLLM_VERSION, ENGINE_FLOW_WINDOW, has_engine_flow, llmapi_release
 from specdeploy.trtllm.hostpaths import build_path
 from specdeploy.trtllm.llmapi import DraftStructure
+from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, release_for
 from specdeploy.trtllm.source import HFSource, load_hf_source
 from specdeploy.trtllm.weights import kv_rep, layer_rank, pad_rows, slice_role, unquantized_linears
 
@@ -50,6 +51,9 @@ STAGE, OUT = "convert", "trtllm_ckpt"
 KINDS = ("none", "medusa", "eagle", "dflash", "draft", "ngram")
 DEFAULT_DRAFT_LEN = 4  # EAGLE-3 chain / draft-target / n-gram drafts per step when nothing says otherwise
 DRAFT_MODEL = "draft_model"  # draft-target: the draft's HF folder, carried inside the build
+# What convert writes, versioned: a build converted by an older writer is converted again (2: the
+# configs named per release, drafters in bf16 and readable by the release's transformers)
+WRITER = 2
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -284,10 +288,8 @@ def _spec_extras(src: HFSource, spec: SpecInput, kind: str, config: dict, sideca
 
 
 def engine_refusal(kind: str, version: str | None = None) -> str | None:
-    """Why the engine flow cannot serve this spec kind (on this release), or None."""
-    if version is not None and not has_engine_flow(version):
-        return (f"TensorRT-LLM {version} has no engine flow: trtllm-build and the C++ Triton backend were removed for the "
-                f"1.4 line (window {ENGINE_FLOW_WINDOW})")
+    """Why the engine flow cannot serve this spec kind (on this release), or None; the kind's own
+    reason first, as it holds on every release."""
     if kind == "eagle":
         return ("the engine flow runs EAGLE-1/2 (EagleForCausalLM) only, and the spec stage trains EAGLE-3, which only "
                 "the LLM API runs")
@@ -296,6 +298,9 @@ def engine_refusal(kind: str, version: str | None = None) -> str | None:
     if kind == "ngram":
         return ("an engine-flow n-gram target expects external draft tokens and nothing in the Triton engine repository "
                 "supplies them: it would serve plain decoding (the LLM API's NGram drafts inside TensorRT-LLM)")
+    if version is not None and release_for(version).engine_flow == "removed":
+        return (f"TensorRT-LLM {version} has no engine flow: trtllm-build and the C++ Triton backend were removed in the "
+                "1.3 line (no tensorrt requirement from 1.3.0rc22 on, PR #15918); the engine flow runs on 1.1 and 1.2")
     return None
 
 
@@ -345,9 +350,11 @@ def link_folder(src: Path, dst: Path) -> None:
                 shutil.copy2(item, dst / item.name)
 
 
-def _quant_algo(model: Path) -> str | None:
+def _quant_algos(model: Path) -> tuple[str | None, str | None]:
+    """(quant_algo, kv_cache_quant_algo) of ModelOpt's export; (None, None) unquantized."""
     file = Path(model) / "hf_quant_config.json"
-    return json.loads(file.read_text()).get("quantization", {}).get("quant_algo") if file.exists() else None
+    quant = json.loads(file.read_text()).get("quantization", {}) if file.exists() else {}
+    return quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
 
 
 def draft_structure(spec: SpecInput, mode: str = "chain", topk: int | None = None, total: int | None = None) -> DraftStructure | None:
@@ -366,10 +373,10 @@ def convert_routes(model: Path, out: Path, spec: SpecInput, *, route: str = "aut
     files; `route` engine/llmapi insists on one (an error says why not); auto takes what applies,
     possibly none (e.g. INT8 SQ + n-gram). convert_summary.json records the routes written and
     why the others were not."""
-    release = llmapi_release(trtllm_version)  # refuses a release line nobody checked
+    release = release_for(trtllm_version)  # refuses a release line nobody checked
     structure = structure or draft_structure(spec)
-    reasons = {"engine": engine_refusal(spec.kind, trtllm_version),
-               "llmapi": llmapi.refusal(spec.kind, _quant_algo(model), release)}
+    quant, kv = _quant_algos(model)
+    reasons = {"engine": engine_refusal(spec.kind, trtllm_version), "llmapi": llmapi.refusal(spec.kind, quant, release, kv)}
     if route == "engine" and reasons["engine"]:
         raise specmodules.EngineFlowUnsupported(reasons["engine"], hint=specmodules.LLMAPI_HINT)
     if route == "llmapi" and reasons["llmapi"]:
@@ -381,6 +388,7 @@ def convert_routes(model: Path, out: Path, spec: SpecInput, *, route: str = "aut
                                "llmapi": None, "llmapi_reason": reasons["llmapi"]}
     if spec.kind == "draft":  # the build carries its draft model: both sides run it wherever the build moves
         link_folder(spec.draft_dir, out / DRAFT_MODEL)
+        write_compatible(out / DRAFT_MODEL)  # TensorRT-LLM loads it with its own, older transformers
         summary["draft_model"] = build_path(published / DRAFT_MODEL, root)
         spec = replace(spec, draft_dir=out / DRAFT_MODEL)  # converted from here; named as published
     if route != "llmapi" and not reasons["engine"]:
@@ -407,7 +415,7 @@ def run(build: BuildDir, *, tp: int = 1, pp: int = 1, route: str = "auto", kind:
     refuse_quantized_spec(model)
     spec_dir = build.path("spec") if build.record("spec") else None
     settings = {"tp": tp, "pp": pp, "route": route, "kind": kind, "draft_model": draft_model, "max_draft_len": max_draft_len,
-                "trtllm_version": trtllm_version, "eagle_tree": eagle_tree, "tree_topk": tree_topk, "tree_total": tree_total}
+                "writer": WRITER, "trtllm_version": trtllm_version, "eagle_tree": eagle_tree, "tree_topk": tree_topk, "tree_total": tree_total}
     if build.completed(STAGE, settings, consumes=consumes):
         return build.path(OUT)
     spec = load_spec(spec_dir, kind=kind, draft_model=draft_model, max_draft_len=max_draft_len)
@@ -424,8 +432,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel stages (default 1)")
     parser.add_argument("--route", choices=["auto", "engine", "llmapi"], default="auto",
-                        help="engine: checkpoints for trtllm-build (TRT-LLM 0.15-1.3.x) or an error; llmapi: the LLM-API "
-                             "files (TRT-LLM >= 1.2) or an error; auto (default): every route the build has")
+                        help="engine: checkpoints for trtllm-build (TRT-LLM 1.1 / 1.2) or an error; llmapi: the LLM-API "
+                             "files or an error; auto (default): every route the build has")
     parser.add_argument("--draft-model", help="draft-target: the draft model's HF folder")
     parser.add_argument("--max-draft-len", type=int,
                         help=f"EAGLE-3 chain length / dynamic-tree depth, draft-target and n-gram draft tokens per step (default {DEFAULT_DRAFT_LEN})")

@@ -1,17 +1,19 @@
-"""The LLM-API route (TensorRT-LLM >= 1.2, PyTorch backend): no engines, the HF checkpoint
-(ModelOpt's unified quantized export included) loads directly into `trtllm-serve --config` or
-Triton's `llmapi` model. Speculative decoding there: EAGLE-3, DFlash (1.3+), draft-target and
-n-gram (not Medusa, not EAGLE-1/2); field sets and release differences are in formats.py with
-their sources.
+"""The LLM-API route (TensorRT-LLM's PyTorch backend, every release line read: 1.1-1.4): no
+engines, the HF checkpoint (ModelOpt's unified quantized export included) loads directly into
+`trtllm-serve` or Triton's `llmapi` model. Speculative decoding there: EAGLE-3, DFlash (1.3+),
+draft-target and n-gram (not Medusa, not EAGLE-1/2). Names and field sets differ per release
+(releases.py: 1.1 says Eagle / DraftTarget / speculative_model_dir, later lines Eagle3 /
+Draft_Target / speculative_model), so every config is written for the release named.
 
 What is written depends on the release line the GPU host runs (`--trtllm-version`):
 - EAGLE-3 drafts a chain (`max_draft_len`) by default; TRT-LLM's dynamic tree
   (`use_dynamic_tree`, `dynamic_tree_max_topK`, `max_total_draft_tokens`) where the line has it
-  and it is asked for; never a static `eagle_choices` tree (discouraged in 1.2, deprecated in
-  1.3, removed in 1.4). The CPU deployment decodes with the same DraftStructure.
+  and it is asked for; never a static `eagle_choices` tree (discouraged in 1.1/1.2, deprecated in
+  1.3, removed in 1.4), never `eagle3_one_model` (two-model EAGLE-3 is gone from 1.3 on). The CPU
+  deployment decodes with the same DraftStructure.
 - `eagle3_layers_to_capture` is written explicitly: TRT-LLM's default {1, n//2-1, n-4} is a
   set, so on a shallow base it collapses and no longer matches the module's fc width.
-- The EAGLE-3 draft folder carries its layer as `midlayer.*` (every loader accepts it).
+- The EAGLE-3 draft folder carries its layer as `midlayer.*` (TRT-LLM's Eagle3DraftModel names it so).
 - DFlash drafts a chain of at most block_size - 1 tokens in one forward; its draft folder is the
   spec stage's ModelOpt export (spec/dflash_export), and mask_token_id / target_layer_ids are
   written explicitly as the module was trained.
@@ -27,10 +29,11 @@ from typing import Any
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
-from specdeploy.trtllm.formats import DECODING_TYPES, DEFAULT_TRTLLM_VERSION, Release
+from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, RELEASES, Release
 from specdeploy.trtllm.hostpaths import build_path
 
 MODES = ("chain", "dynamic")
+KINDS = ("eagle", "draft", "ngram", "dflash")  # what the LLM API speculates with (Medusa: engine flow only)
 # As NGramDecodingConfig takes them, chosen to match the CPU runtime's prompt lookup: the
 # longest suffix of up to 3 tokens, the most recent continuation, one pool per request.
 NGRAM_DEFAULTS = {"max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": False, "is_public_pool": False}
@@ -42,7 +45,8 @@ DFLASH_FOLDER = "dflash_draft"
 def add_trtllm_version_arg(parser: Any) -> None:
     parser.add_argument("--trtllm-version", default=DEFAULT_TRTLLM_VERSION,
                         help=f"the TensorRT-LLM release the GPU host runs (default {DEFAULT_TRTLLM_VERSION}): decides the "
-                             "routes and what the LLM-API config carries (1.2, 1.3, 1.4 lines checked; engine flow < 1.4)")
+                             "routes, the image and what the LLM-API config carries (lines read: "
+                             f"{', '.join(r.version for r in RELEASES.values())}; engine flow up to 1.2)")
 
 
 @dataclass(frozen=True)
@@ -110,18 +114,20 @@ def check_structure(kind: str, structure: DraftStructure, release: Release) -> N
                               hint=f"the CPU deployment that predicts the GPU host drafts at most {MAX_RUNTIME_DEPTH} deep")
 
 
-def refusal(kind: str, quant_algo: str | None, release: Release | None) -> str | None:
-    """Why this build has no LLM-API route, or None."""
-    if release is None:
-        return "the LLM-API route needs TensorRT-LLM >= 1.2 (--trtllm-version)"
-    if kind not in (*DECODING_TYPES, "none"):
+def refusal(kind: str, quant_algo: str | None, release: Release, kv_algo: str | None = None) -> str | None:
+    """Why this build has no LLM-API route on `release`, or None."""
+    if kind not in (*KINDS, "none"):
         return (f"TensorRT-LLM's PyTorch backend has no {kind} speculative decoding (MedusaDecodingConfig does not "
-                "support the pytorch backend; EAGLE-1/2 drafts are incompatible with Eagle3)")
+                "support the pytorch backend; EAGLE-1/2 drafts are incompatible with EAGLE-3)")
     if kind == "dflash" and not release.dflash:
         return f"TensorRT-LLM {release.name} has no DFlash speculative decoding (DFlashDecodingConfig arrived in the 1.3 line)"
     if quant_algo == "W8A8_SQ_PER_CHANNEL":
         return ("the PyTorch backend has no INT8 SmoothQuant (W8A8-SQ) method ('unsupported quant mode'); "
                 "an INT8 SQ checkpoint runs on the engine flow only")
+    if kind == "eagle" and kv_algo == "FP8" and not release.fp8_kv_eagle3:
+        return (f"TensorRT-LLM {release.name} runs one-model EAGLE-3 on an FP8 KV cache only from 1.2 on (PR #8910; "
+                "NVIDIA/TensorRT-LLM#7842 'KV cache data type e4m3 is not the same as input data type'): quantize "
+                "with --kv-cache none, or target --trtllm-version 1.2.1")
     return None
 
 
@@ -129,26 +135,65 @@ def speculative_config(kind: str, structure: DraftStructure, release: Release, *
                        layers_to_capture: list[int] | None = None, ngram: dict[str, Any] | None = None,
                        dflash: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `speculative_config` mapping of one kind for one release line; only keys it accepts."""
-    if kind not in DECODING_TYPES:
-        raise SpecDeployError(f"TensorRT-LLM's LLM-API route has no speculative decoding for {kind!r}",
-                              hint="it runs EAGLE-3 (eagle), DFlash (dflash), draft-target (draft) and n-gram (ngram); Medusa needs the "
-                                   "engine flow (`specdeploy convert --route engine`, TensorRT-LLM < 1.4)")
     check_structure(kind, structure, release)
-    config: dict[str, Any] = {"decoding_type": DECODING_TYPES[kind], **structure.trtllm_fields()}
+    if kind not in release.decoding_types:
+        raise SpecDeployError(f"TensorRT-LLM {release.name}'s LLM API has no speculative decoding for {kind!r}",
+                              hint="it runs EAGLE-3 (eagle), draft-target (draft), n-gram (ngram) and, from 1.3, DFlash (dflash); "
+                                   "Medusa needs the engine flow (`specdeploy convert --route engine`, TensorRT-LLM 1.1 / 1.2)")
+    config: dict[str, Any] = {"decoding_type": release.decoding_types[kind], **structure.trtllm_fields()}
     if kind in ("eagle", "draft", "dflash"):
         if draft is None:
-            raise SpecDeployError(f"{DECODING_TYPES[kind]} needs a draft model folder")
-        config["speculative_model"] = draft
+            raise SpecDeployError(f"{release.decoding_types[kind]} needs a draft model folder")
+        config[release.draft_field] = draft
     if kind == "eagle" and layers_to_capture:
         config["eagle3_layers_to_capture"] = sorted(layers_to_capture)
     if kind == "ngram":
         config.update({**NGRAM_DEFAULTS, **(ngram or {})})
     if kind == "dflash":
         config.update(dflash or {})
-    unknown = set(config) - release.fields(config["decoding_type"])
-    if unknown:  # the config models forbid unknown keys: never write one the release rejects
-        raise SpecDeployError(f"TensorRT-LLM {release.name} does not accept {sorted(unknown)} in speculative_config")
+    return checked_config(config, release)
+
+
+def checked_config(config: dict[str, Any], release: Release) -> dict[str, Any]:
+    """`config` unchanged, or an error naming the keys `release` would refuse (its config models
+    forbid unknown keys: never write one)."""
+    unknown = set(config) - release.fields(config["decoding_type"]) - {"decoding_type"}
+    if unknown:
+        raise SpecDeployError(f"TensorRT-LLM {release.name} does not accept {sorted(unknown)} in speculative_config "
+                              f"(decoding_type {config['decoding_type']})")
     return config
+
+
+# Iterations the acceptance-rate rolling average spans before it may switch speculation off (1.3+).
+ACCEPTANCE_WINDOW = 128
+
+
+def break_even_rate(cpu_plan: dict[str, Any] | None, draft_len: int) -> float | None:
+    """The acceptance rate (accepted / drafted) below which a chain of `draft_len` drafts costs more
+    than it saves, from the CPU planner's measured round cost: a round of cost c plain steps emits
+    1 + rate * draft_len tokens, so it pays while rate > (c - 1) / draft_len. None unmeasured."""
+    plan = (cpu_plan or {}).get("plan") or {}
+    ar = plan.get("ar_tokens_per_s")
+    rounds = {e["shape"]: e["round_s"] for e in plan.get("estimates", [])}
+    round_s = rounds.get(f"chain {draft_len}")
+    if not ar or not round_s:
+        return None
+    return min(1.0, max(0.0, (round_s * ar - 1.0) / draft_len))
+
+
+def scale_knobs(release: Release, draft_len: int, cpu_plan: dict[str, Any] | None) -> dict[str, Any]:
+    """The speculation controls at scale that `release` has, seeded from the CPU planner's measured
+    break-even (the package stage records that they came from there): max_concurrency = the largest
+    in-flight batch where speculating measured faster, and on 1.3+ the acceptance-rate threshold
+    under which a chain of `draft_len` stops paying. A GPU's costs differ: they are starting points."""
+    knobs: dict[str, Any] = {}
+    off_above = ((cpu_plan or {}).get("load") or {}).get("spec_off_above")
+    if "max_concurrency" in release.knobs and off_above:
+        knobs["max_concurrency"] = int(off_above)
+    rate = break_even_rate(cpu_plan, draft_len)
+    if "acceptance_rate_threshold" in release.knobs and rate:
+        knobs.update(acceptance_rate_threshold=round(rate, 3), acceptance_rate_window_size=ACCEPTANCE_WINDOW)
+    return knobs
 
 
 def llm_options(spec_cfg: dict[str, Any] | None) -> dict[str, Any]:
@@ -156,7 +201,7 @@ def llm_options(spec_cfg: dict[str, Any] | None) -> dict[str, Any]:
     if not spec_cfg:
         return {}
     options: dict[str, Any] = {"speculative_config": spec_cfg}
-    if spec_cfg["decoding_type"] in ("Draft_Target", "NGram"):
+    if spec_cfg["decoding_type"] in ("Draft_Target", "DraftTarget", "NGram"):
         options["disable_overlap_scheduler"] = True  # as in TRT-LLM's own examples for these
     return options
 
@@ -197,15 +242,29 @@ def dflash_fields(spec: Any, structure: DraftStructure) -> dict[str, Any]:
     return {"mask_token_id": int(config["dflash_mask_token_id"]), "target_layer_ids": [int(i) for i in layers]}
 
 
-def dflash_draft(spec_dir: Path | None, out: Path) -> Path:
-    """out/dflash_draft: the spec stage's ModelOpt export (config.json with dflash_config + weights)."""
+def dflash_draft(spec_dir: Path | None, out: Path, dtype: str = "bfloat16") -> Path:
+    """out/dflash_draft: the spec stage's ModelOpt export (config.json with dflash_config + weights)
+    in the deployment's dtype (ModelOpt exports the base's, float32 here, which TensorRT-LLM's
+    kernels mostly lack), its config readable by the GPU host's transformers (hfcompat). The CPU
+    deployment reads the module from spec/, not from here."""
+    import torch
+    from safetensors.torch import load_file, save
+
+    from specdeploy.hfcompat import compatible_config, with_dtype
+
     ready = Path(spec_dir or ".") / "dflash_export"
     if spec_dir is None or not ((ready / "config.json").is_file() and list(ready.glob("*.safetensors"))):
         raise SpecDeployError(f"DFlash on the LLM-API route needs the spec stage's export ({ready})",
                               hint="re-run `specdeploy spec --spec dflash`: it writes spec/dflash_export")
+    config = with_dtype(json.loads((ready / "config.json").read_text()), dtype)
     final = out / DFLASH_FOLDER
     shutil.rmtree(final, ignore_errors=True)
     shutil.copytree(ready, final)
+    for file in final.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        cast = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
+        atomic_write_bytes(file, save(cast, metadata={"format": "pt"}))
+    atomic_write_json(final / "config.json", compatible_config(config))
     return final
 
 
@@ -257,26 +316,34 @@ def training_rope_scaling(spec: Any) -> dict[str, Any] | None:
     return None if (scaling.get("rope_type") or scaling.get("type") or "default") == "default" else scaling
 
 
-def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | None) -> Path:
+def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | None, dtype: str = "bfloat16") -> Path:
     """The draft folder the GPU host loads: ModelOpt's export with its single decoder layer as
-    `midlayer.*`, and the RoPE the module was trained with (ModelOpt's exporter injects a YaRN
-    rope_scaling into a plain-RoPE module, which would make the GPU draft differ from the CPU one)."""
+    `midlayer.*`, the RoPE the module was trained with (ModelOpt's exporter injects a YaRN
+    rope_scaling into a plain-RoPE module, which would make the GPU draft differ from the CPU one),
+    the weights in the deployment's dtype (ModelOpt exports float32, which TensorRT-LLM's kernels
+    mostly lack) and a config the GPU host's transformers reads as ours does (hfcompat). The CPU
+    deployment reads the module from spec/, not from here."""
+    import torch
     from safetensors.torch import load_file, save
+
+    from specdeploy.hfcompat import compatible_config, with_dtype
 
     tensors = load_file(str(next(export.glob("*.safetensors"))))
     layers = {k.split(".")[1] for k in tensors if k.startswith("layers.")}
     if len(layers) == 1:
         tensors = {("midlayer." + k.split(".", 2)[2]) if k.startswith("layers.") else k: v for k, v in tensors.items()}
-    config = json.loads((export / "config.json").read_text())
+    config = with_dtype(json.loads((export / "config.json").read_text()), dtype)
     config["rope_scaling"] = rope_scaling
+    cast = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "model.safetensors", save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"}))
-    atomic_write_json(out / "config.json", config)
+    atomic_write_bytes(out / "model.safetensors", save(cast, metadata={"format": "pt"}))
+    atomic_write_json(out / "config.json", compatible_config(config))
     return out
 
 
-def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path) -> Path:
-    """out/eagle3_draft from the spec stage's export (spec/eagle3_export), exporting it if absent."""
+def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    """out/eagle3_draft from the spec stage's export (spec/eagle3_export), exporting it if absent;
+    weights in `dtype`, the deployment's (bfloat16 unless the target is deployed in another)."""
     if spec_dir is None:
         raise SpecDeployError("EAGLE-3 on the LLM-API route needs the spec stage output (spec/)")
     if not is_eagle3(spec):
@@ -285,7 +352,7 @@ def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path) ->
     ready = Path(spec_dir) / "eagle3_export"
     if not ((ready / "config.json").exists() and list(ready.glob("*.safetensors"))):
         ready = export_eagle3(base_dir, Path(spec_dir), out / ".eagle3_export")
-    folder = write_draft_folder(ready, out / DRAFT_FOLDER, training_rope_scaling(spec))
+    folder = write_draft_folder(ready, out / DRAFT_FOLDER, training_rope_scaling(spec), dtype)
     shutil.rmtree(out / ".eagle3_export", ignore_errors=True)
     return folder
 
@@ -302,15 +369,20 @@ def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, structure: Draf
     out.mkdir(parents=True, exist_ok=True)
     spec_cfg = None
     if spec.kind != "none":
+        from specdeploy.models import checkpoint_dtype
+
+        # the drafter in the target's half dtype; bf16 beside a float32 target (TensorRT-LLM's kernels lack
+        # float32: NVIDIA/TensorRT-LLM#5260)
+        dtype = checkpoint_dtype(model_dir) if checkpoint_dtype(model_dir) == "float16" else "bfloat16"
         draft: str | None = None
         capture = dflash = None
         if spec.kind == "eagle":
-            eagle3_draft(spec, spec_dir, base_dir or Path(model_dir), out)
+            eagle3_draft(spec, spec_dir, base_dir or Path(model_dir), out, dtype)
             draft = build_path((published or out) / DRAFT_FOLDER, root)
             capture = layers_to_capture(spec)
         elif spec.kind == "dflash":
             dflash = dflash_fields(spec, structure)
-            dflash_draft(spec_dir, out)
+            dflash_draft(spec_dir, out, dtype)
             draft = build_path((published or out) / DFLASH_FOLDER, root)
         elif spec.kind == "draft":
             draft = build_path(spec.draft_dir, root)

@@ -20,7 +20,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.trtllm.weights import pad_rows, slice_role
 
 LLMAPI_HINT = (
-    "use the LLM-API route instead (TensorRT-LLM >= 1.2, `specdeploy convert --route llmapi`): EAGLE-3, "
+    "use the LLM-API route instead (`specdeploy convert --route llmapi`): EAGLE-3, "
     "draft-target and n-gram run there"
 )
 

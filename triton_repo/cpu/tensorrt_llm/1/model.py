@@ -3,15 +3,27 @@ output_ids, perf metrics) served by specdeploy's speculative-decoding runtime (P
 the deployment's device, or on the GPU of a KIND_GPU instance.
 
 In-flight batching, as TensorRT-LLM's own Python-executor model.py does it: execute() only
-validates a request and queues it; one scheduler thread owns the runtime's InflightBatcher,
-admits queued requests between rounds, stops cancelled ones and steps the batch while there is
-work. Decoupled: each accepted group of tokens is sent as soon as the verifier accepts it
-(several tokens in one response when several drafts were accepted), then a final response
-carrying the perf metrics (draft counts, acceptance rate, the request's arrival / scheduled /
-first-token / last-token times) and the FINAL flag. Client errors come back as the request's
-Triton error; the model keeps serving. Beyond `specdeploy_max_queue` requests in flight a
-request is refused at once ("server busy"). Speculative-decoding counters go to Triton's
-metrics endpoint (pb_utils.MetricFamily).
+validates a request and queues it, then returns; one scheduler thread owns the runtime's
+InflightBatcher, admits queued requests between rounds, stops cancelled ones and steps the batch
+while there is work, and answers each request through its response sender, in decoupled and
+non-decoupled mode alike (so a non-decoupled model batches in flight too).
+
+Requests mean what they mean to TensorRT-LLM's C++ backend (tensorrtllm_backend's utils.cc and
+the top-k kernel it feeds): top_p <= 0 and top_k 0 are "off", neither on (or top_k 1) is greedy
+whatever the temperature, the seed defaults to 0, min_tokens 1, temperature 1.0, an unset
+exclude_input_in_output takes the config parameter, and knobs that only act in beam search
+(length penalty, early stopping, diversity rate) change nothing at beam_width 1. Anything else
+the runtime does not implement is refused with a clear error, never ignored.
+
+Streaming (decoupled only, as in TensorRT-LLM): each accepted group of tokens is sent as soon as
+the verifier accepts it (several tokens in one response when several drafts were accepted), then
+a final response without tokens and the FINAL flag; otherwise one response holds every token.
+With return_perf_metrics every response carries TensorRT-LLM's perf outputs as of that response
+(draft counts and acceptance rate from the runtime's counters, the request's arrival / scheduled /
+first-token / last-token times; KV "blocks" count token positions, one per block, none reused).
+Client errors come back as the request's Triton error; the model keeps serving. Beyond
+`specdeploy_max_queue` requests in flight a request is refused at once ("server busy").
+Speculative-decoding counters go to Triton's metrics endpoint (pb_utils.MetricFamily).
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ import triton_python_backend_utils as pb_utils
 # The stub's embedded Python starts in the C locale and ignores PYTHONUTF8, so open() decodes as
 # ASCII; torch._inductor (imported with the EAGLE module) then fails on a non-ASCII template.
 locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+
+import torch  # noqa: E402  (after the locale fix)
+from specdeploy.runtime.types import DraftTree, Proposer, SamplingParams, TargetState  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -54,27 +69,45 @@ def _positive_param(config: dict, key: str, default: int) -> int:
     return int(value)
 
 
-def _scalar(request, name: str, default=None):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return default
-    value = tensor.as_numpy().reshape(-1)
-    if value.size != 1:
-        raise BadRequest(f"{name} must hold one value per request, got {value.size}")
-    item = value[0]
-    if isinstance(item, bytes):
-        return item.decode("utf-8", errors="replace")
-    return item.item() if hasattr(item, "item") else item
+def _rows(request) -> int:
+    """The request's batch size: TensorRT-LLM serves each row as a request of its own."""
+    ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    return 1 if ids is None else int(ids.as_numpy().shape[0])
 
 
-def _word_sequences(request, name: str) -> list[list[int]]:
-    """Undo TRT-LLM's [1, 2, n] word-list layout (ids; exclusive end offsets padded with -1)."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return []
-    data = tensor.as_numpy().reshape(-1, 2, tensor.as_numpy().shape[-1])[0]
-    ids, ends = data[0].tolist(), [int(e) for e in data[1] if e >= 0]
-    return [ids[start:end] for start, end in zip([0] + ends[:-1], ends) if end > start]
+class _Inputs:
+    """The inputs of one batch row of a request (every input's first dimension is the batch)."""
+
+    def __init__(self, request, row: int = 0) -> None:
+        self.request, self.row = request, row
+
+    def has(self, name: str) -> bool:
+        return pb_utils.get_input_tensor_by_name(self.request, name) is not None
+
+    def array(self, name: str) -> np.ndarray | None:
+        tensor = pb_utils.get_input_tensor_by_name(self.request, name)
+        return None if tensor is None else tensor.as_numpy()[self.row]  # Triton checked the batch sizes agree
+
+    def scalar(self, name: str, default=None):
+        array = self.array(name)
+        if array is None:
+            return default
+        value = np.asarray(array).reshape(-1)
+        if value.size != 1:
+            raise BadRequest(f"{name} must hold one value per request, got {value.size}")
+        item = value[0]
+        if isinstance(item, bytes):
+            return item.decode("utf-8", errors="replace")
+        return item.item() if hasattr(item, "item") else item
+
+    def words(self, name: str) -> list[list[int]]:
+        """Undo TRT-LLM's [2, n] word-list layout (ids; exclusive end offsets padded with -1)."""
+        array = self.array(name)
+        if array is None:
+            return []
+        data = np.asarray(array).reshape(2, -1)
+        ids, ends = data[0].tolist(), [int(e) for e in data[1] if e >= 0]
+        return [ids[start:end] for start, end in zip([0] + ends[:-1], ends) if end > start]
 
 
 def _finite(value, name: str) -> float:
@@ -88,46 +121,75 @@ def _error_text(err: Exception) -> str:
     return str(err).replace("\n  hint:", "; hint:")
 
 
-# sampling knobs the specdeploy runtime does not implement: a request that sets one to anything but its
-# neutral value gets a clear error instead of silently different output
-_UNSUPPORTED = {
-    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "len_penalty": 1.0,
-    "min_tokens": 0, "beam_width": 1, "num_return_sequences": 1, "return_log_probs": False,
-    "return_context_logits": False, "return_generation_logits": False, "lora_task_id": None,
-    "prompt_vocab_size": None, "runtime_top_p_min": None, "runtime_top_p_decay": None,
-    "draft_acceptance_threshold": None,
+# TensorRT-LLM features the specdeploy runtime does not implement: a request carrying one of these
+# inputs is refused (its answer would silently differ from TensorRT-LLM's otherwise)
+_REFUSED = {
+    **dict.fromkeys(("prompt_embedding_table", "prompt_vocab_size"), "prompt tuning"),
+    **dict.fromkeys(("lora_task_id", "lora_weights", "lora_config"), "LoRA"),
+    **dict.fromkeys(("encoder_input_features", "encoder_output_lengths", "cross_attention_mask",
+                     "skip_cross_attn_blocks"), "encoder-decoder models"),
+    **dict.fromkeys(("mrope_rotary_cos_sin", "mrope_position_deltas"), "multimodal rotary embeddings"),
+    "context_phase_params": "disaggregated serving",
+    **dict.fromkeys(("draft_logits", "draft_acceptance_threshold"), "draft logits (send draft_input_ids alone)"),
+    **dict.fromkeys(("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
+                    "lookahead decoding"),
+    **dict.fromkeys(("retention_token_range_starts", "retention_token_range_ends", "retention_token_range_priorities",
+                     "retention_token_range_durations_ms", "retention_decode_priority",
+                     "retention_decode_duration_ms"), "KV cache retention"),
+    **dict.fromkeys(("guided_decoding_guide_type", "guided_decoding_guide"), "guided decoding"),
 }
+# knobs refused unless set to a value that leaves TensorRT-LLM's output unchanged (its defaults).
+# Not listed, as they change nothing at beam_width 1 in TensorRT-LLM either: len_penalty,
+# early_stopping, beam_search_diversity_rate; and runtime_top_p_min / runtime_top_p_reset_ids, which
+# act only with a top-p decay; decoder_input_ids / prompt_table_extra_ids (encoder-decoder, prompt tuning)
+_NEUTRAL = {
+    "beam_width": lambda v: v == 1, "num_return_sequences": lambda v: v == 1,
+    "repetition_penalty": lambda v: v == 1.0, "presence_penalty": lambda v: v == 0.0,
+    "frequency_penalty": lambda v: v == 0.0, "runtime_top_p_decay": lambda v: v == 1.0,
+    "min_tokens": lambda v: 0 <= v <= 1,  # TensorRT-LLM's default 1: one token is always generated
+    "return_log_probs": lambda v: not v, "return_context_logits": lambda v: not v,
+    "return_generation_logits": lambda v: not v,
+}
+NO_END_ID = -1  # TensorRT-LLM: never stop at an end token
+STREAMING_NEEDS_DECOUPLED = ("Streaming is only supported if model is deployed using decoupled mode "
+                             "(this repository was packaged with --no-stream); send stream=false")
+BATCH_NEEDS_DECOUPLED = ("Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction policy "
+                         "(this repository was packaged with --no-stream); send one prompt per request")
 
 
 class _Sink:
-    """Where responses go: the decoupled response sender, or one collected response."""
+    """Where a request's responses go: its response sender, which outlives execute(). A
+    non-decoupled model may send exactly one response (with the FINAL flag) through it. A
+    batched request's rows share it: only the last row's final response carries the FINAL flag."""
 
-    def __init__(self, request, decoupled: bool) -> None:
-        self.sender = request.get_response_sender() if decoupled else None
-        self.request = None if decoupled else request  # decoupled: only the sender outlives execute()
-        self.collected = None
-        self.answered = threading.Event()  # the final response is out (a non-decoupled execute waits for it)
+    def __init__(self, request) -> None:
+        self.sender = request.get_response_sender()
+        self.open = 1  # rows still to give their final response
+        self.lock = threading.Lock()  # rows end on the scheduler thread, refusals on execute()'s
+
+    def expect(self, rows: int) -> None:
+        self.open = rows
 
     def send(self, tensors: list, final: bool) -> None:
-        response = pb_utils.InferenceResponse(output_tensors=tensors)
-        if self.sender is None:
-            self.collected = response
-        else:
-            self.sender.send(response, flags=FINAL if final else 0)
-        if final:
-            self.answered.set()
+        self._send(pb_utils.InferenceResponse(output_tensors=tensors), final)
 
     def error(self, message: str) -> None:
-        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
-        if self.sender is None:
-            self.collected = response
-        else:
-            self.sender.send(response, flags=FINAL)
-        self.answered.set()
+        """One row's error, its final response."""
+        self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), True)
+
+    def refuse(self, message: str) -> None:
+        """The whole request refused before any of its rows was queued: its one and final response."""
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+    def _send(self, response, final: bool) -> None:
+        with self.lock:
+            self.open -= final
+            last = final and self.open == 0
+        self.sender.send(response, flags=FINAL if last else 0)
 
     def cancelled(self) -> bool:
         """The client went away or cancelled."""
-        return (self.request if self.sender is None else self.sender).is_cancelled()
+        return self.sender.is_cancelled()
 
 
 @dataclass
@@ -136,14 +198,16 @@ class _Entry:
 
     sink: _Sink
     prompt: list[int]
-    params: object  # SamplingParams
+    params: SamplingParams
     request_id: str
     exclude_input: bool
     perf: bool
-    stream: "_Streamer | None"
     arrival_ns: int
+    draft: list[int] | None  # draft_input_ids: the client's own draft tokens
+    batch_index: int | None  # the row of a batched request (None: a request of one row)
     seq: object = None  # the batcher's Sequence once admitted
     gone: bool = False  # the client cancelled: no one reads an answer
+    stream: "_Streamer | None" = None
 
 
 def instance_device(args: dict) -> str | None:
@@ -161,7 +225,8 @@ class TritonPythonModel:
 
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.exclude_input = _param(config, "exclude_input_in_output", "true").lower() in ("true", "1")
+        # TensorRT-LLM's backend default when the parameter is unset: the prompt is in the output
+        self.exclude_input = _param(config, "exclude_input_in_output", "false").lower() in ("true", "1")
         max_batch = _positive_param(config, "specdeploy_max_batch_size", DEFAULT_MAX_BATCH_SIZE)
         max_queue = _positive_param(config, "specdeploy_max_queue", DEFAULT_MAX_QUEUE)
         folder = Path(args["model_repository"]) / args["model_version"]
@@ -171,47 +236,45 @@ class TritonPythonModel:
         self.scheduler = _Scheduler(lambda: load_decoder(path, device=device), max_batch, max_queue, metrics)
         self.decoder = self.scheduler.decoder
         self.tokenizer = self.decoder.tokenizer
+        self.vocab = int(self.decoder.target.config.vocab_size)
         self.context = int(getattr(self.decoder.target.config, "max_position_embeddings", 0) or 1 << 30)
-        import torch
-
         pb_utils.Logger.log_info(f"specdeploy tensorrt_llm: {path}, computing on {describe(self.decoder.device)}, "
                                  f"instance {args.get('model_instance_name')} ({args.get('model_instance_kind')}), "
                                  f"torch threads {torch.get_num_threads()}, in-flight batch {max_batch}, "
-                                 f"max queue {max_queue}")
+                                 f"max queue {max_queue}, {'decoupled' if self.decoupled else 'not decoupled'}")
 
     # -- requests ----------------------------------------------------------------------------
     def execute(self, requests):
-        """Validate and queue; the scheduler thread answers. Not decoupled: wait for the answers."""
-        sinks = []
+        """Validate and queue; the scheduler thread answers through each request's sender."""
         for request in requests:
             try:
-                sink = _Sink(request, self.decoupled)
-                sinks.append(sink)
-                self._accept(request, sink)
+                self._accept(request, _Sink(request))
             except Exception:  # even the error path failed (a closed sender...): serve the others
                 pb_utils.Logger.log_error(f"specdeploy tensorrt_llm: {traceback.format_exc()}")
-        if self.decoupled:
-            return None
-        for sink in sinks:
-            sink.answered.wait()
-        return [s.collected for s in sinks]
+        return None
 
     def _accept(self, request, sink: _Sink) -> None:
         from specdeploy.errors import SpecDeployError
 
         arrival = time.time_ns()
         try:
-            if _scalar(request, "stop", False):
+            if _Inputs(request).scalar("stop", False):
                 self._stop(request, sink)
                 return
-            self.scheduler.submit(self._entry(request, sink, arrival))
+            rows = _rows(request)
+            if rows > 1 and not self.decoupled:
+                raise BadRequest(BATCH_NEEDS_DECOUPLED)
+            entries = [self._entry(_Inputs(request, row), sink, arrival, row if rows > 1 else None)
+                       for row in range(rows)]
+            sink.expect(rows)
+            self.scheduler.submit(entries)
         except (BadRequest, Busy, SpecDeployError) as err:
             self.scheduler.metrics.request("rejected" if isinstance(err, Busy) else "bad_request")
-            sink.error(_error_text(err))
+            sink.refuse(_error_text(err))
         except Exception as err:  # the server must survive whatever one request does
             pb_utils.Logger.log_error(f"specdeploy tensorrt_llm: {traceback.format_exc()}")
             self.scheduler.metrics.request("error")
-            sink.error(f"internal error in the specdeploy runtime: {type(err).__name__}: {err}")
+            sink.refuse(f"internal error in the specdeploy runtime: {type(err).__name__}: {err}")
 
     def _stop(self, request, sink: _Sink) -> None:
         """TRT-LLM's `stop` input: cancel the requests carrying this request's id (the C++
@@ -223,44 +286,63 @@ class TritonPythonModel:
         self.scheduler.stop(request_id)
         sink.send([], final=True)
 
-    def _entry(self, request, sink: _Sink, arrival_ns: int) -> _Entry:
-        prompt = self._prompt(request)
-        streaming = bool(_scalar(request, "streaming", False)) and self.decoupled
-        return _Entry(
-            sink=sink, prompt=prompt, params=self._params(request, len(prompt)), request_id=request.request_id(),
-            exclude_input=bool(_scalar(request, "exclude_input_in_output", self.exclude_input)),
-            perf=bool(_scalar(request, "return_perf_metrics", False)),
-            stream=_Streamer(self.tokenizer, sink) if streaming else None, arrival_ns=arrival_ns,
+    def _entry(self, inputs: _Inputs, sink: _Sink, arrival_ns: int, batch_index: int | None) -> _Entry:
+        streaming = bool(inputs.scalar("streaming", False))
+        if streaming and not self.decoupled:
+            raise BadRequest(STREAMING_NEEDS_DECOUPLED)
+        prompt = self._prompt(inputs)
+        params = self._params(inputs, len(prompt))
+        entry = _Entry(
+            sink=sink, prompt=prompt, params=params, request_id=inputs.request.request_id(),
+            exclude_input=bool(inputs.scalar("exclude_input_in_output", self.exclude_input)),
+            perf=bool(inputs.scalar("return_perf_metrics", False)), arrival_ns=arrival_ns,
+            draft=self._draft(inputs), batch_index=batch_index,
         )
+        entry.stream = _Streamer(self.tokenizer, entry) if streaming else None
+        return entry
 
-    def _prompt(self, request) -> list[int]:
-        ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    def _prompt(self, inputs: _Inputs) -> list[int]:
+        ids = inputs.array("input_ids")
         if ids is None:
             raise BadRequest("input_ids is required (the ensemble fills it from text_input)")
-        ids = ids.as_numpy()
-        if ids.ndim == 2 and ids.shape[0] != 1:
-            raise BadRequest(f"send one prompt per request (batch size 1), got {ids.shape[0]}")
-        ids = ids.reshape(-1)
-        length = _scalar(request, "input_lengths", len(ids))
+        ids = np.asarray(ids).reshape(-1)
+        length = inputs.scalar("input_lengths", len(ids))
         if not 0 < length <= len(ids):
             raise BadRequest(f"input_lengths {length} does not match {len(ids)} input_ids")
-        return [int(t) for t in ids[:length]]
+        return self._token_ids([int(t) for t in ids[:length]], "input_ids")
 
-    def _check_unsupported(self, request) -> None:
-        for name, neutral in _UNSUPPORTED.items():
-            value = _scalar(request, name)
-            if value is not None and value != neutral:
-                raise BadRequest(f"{name}={value!r} is not supported by the specdeploy runtime")
-        if _word_sequences(request, "bad_words_list"):
+    def _token_ids(self, ids: list[int], name: str) -> list[int]:
+        outside = [t for t in ids if not 0 <= t < self.vocab]
+        if outside:
+            raise BadRequest(f"{name} hold {len(outside)} token ids outside the model's vocabulary of "
+                             f"{self.vocab} (e.g. {outside[0]})")
+        return ids
+
+    def _draft(self, inputs: _Inputs) -> list[int] | None:
+        """TRT-LLM's draft_input_ids: tokens a client drafted (e.g. with a draft model) for the
+        target to verify, as in its draft-target speculative decoding."""
+        draft = inputs.array("draft_input_ids")
+        if draft is None:
+            return None
+        return self._token_ids([int(t) for t in np.asarray(draft).reshape(-1)], "draft_input_ids")
+
+    def _check_supported(self, inputs: _Inputs) -> None:
+        for name, feature in _REFUSED.items():
+            if inputs.has(name):
+                raise BadRequest(f"{name}: {feature} is not supported by the specdeploy runtime")
+        for name, neutral in _NEUTRAL.items():
+            value = inputs.scalar(name)
+            if value is not None and not neutral(value):
+                shown = f"{value:.6g}" if isinstance(value, float) else repr(value)  # FP32 inputs: 1.3, not 1.2999...
+                raise BadRequest(f"{name}={shown} is not supported by the specdeploy runtime")
+        if inputs.words("bad_words_list"):
             raise BadRequest("bad_words is not supported by the specdeploy runtime")
-        guide = _scalar(request, "guided_decoding_guide_type")
-        if guide is not None:
-            raise BadRequest(f"guided_decoding_guide_type={guide!r} is not supported by the specdeploy runtime")
+        bias = inputs.array("embedding_bias")
+        if bias is not None and np.any(bias):
+            raise BadRequest("embedding_bias is not supported by the specdeploy runtime")
 
-    def _params(self, request, prompt_len: int):
-        from specdeploy.runtime.types import SamplingParams
-
-        max_tokens = _scalar(request, "request_output_len")
+    def _params(self, inputs: _Inputs, prompt_len: int) -> SamplingParams:
+        max_tokens = inputs.scalar("request_output_len")
         if max_tokens is None or max_tokens <= 0:
             raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}")
         if prompt_len + max_tokens > self.context:
@@ -268,16 +350,17 @@ class TritonPythonModel:
                 f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceed the model's context of "
                 f"{self.context} tokens: ask for at most {max(self.context - prompt_len, 0)}"
             )
-        self._check_unsupported(request)
-        end_id = self._token_id(_scalar(request, "end_id"), "end_id")
-        seed = _scalar(request, "seed")
-        stop_ids, stop_strings = self._stops(_word_sequences(request, "stop_words_list"))
+        self._check_supported(inputs)
+        end_id = inputs.scalar("end_id")
+        if end_id == NO_END_ID:
+            raise BadRequest("end_id -1 (never stop at an end token) is not supported: the specdeploy runtime "
+                             "always stops at the model's own end tokens; leave end_id out")
+        end_id = self._token_id(end_id, "end_id")
+        stop_ids, stop_strings = self._stops(inputs.words("stop_words_list"))
         params = SamplingParams(
             max_new_tokens=int(max_tokens),
-            temperature=_finite(_scalar(request, "temperature", 0.0), "temperature"),
-            top_k=int(_scalar(request, "runtime_top_k", 0)),
-            top_p=_finite(_scalar(request, "runtime_top_p", 1.0), "top_p"),
-            seed=None if seed is None else int(seed) & ((1 << 63) - 1),
+            **_sampling(inputs),
+            seed=int(inputs.scalar("seed", 0)) & ((1 << 63) - 1),  # TRT-LLM's default seed is 0
             stop_token_ids=(() if end_id is None else (end_id,)) + stop_ids,
             stop_strings=stop_strings,
         )
@@ -307,6 +390,36 @@ class TritonPythonModel:
         self.scheduler.close()
         self.scheduler = None
         self.decoder = None
+
+
+def _sampling(inputs: _Inputs) -> dict:
+    """temperature / top_k / top_p as TensorRT-LLM reads them: top_p <= 0 is unset, top_k 0 is
+    unset, and with neither set (or top_k 1) it decodes greedily whatever the temperature."""
+    top_k = int(inputs.scalar("runtime_top_k", 0))
+    top_p = _finite(inputs.scalar("runtime_top_p", 0.0), "top_p")
+    temperature = _finite(inputs.scalar("temperature", 1.0), "temperature")
+    if top_k < 0:  # the checks TensorRT-LLM's SamplingConfig makes
+        raise BadRequest(f"top_k must be >= 0 (0: unset), got {top_k}")
+    if top_p > 1.0:
+        raise BadRequest(f"top_p must be <= 1 (0 or less: unset), got {top_p:.6g}")
+    if temperature < 0.0:
+        raise BadRequest(f"temperature must be >= 0, got {temperature:.6g}")
+    if top_k == 1 or (top_k == 0 and top_p <= 0.0):
+        return {"temperature": 0.0}
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p if top_p > 0.0 else 1.0}
+
+
+class _ClientDraft(Proposer):
+    """The draft tokens a client sent for one request (TRT-LLM's draft_input_ids): proposed as a
+    chain while the output follows them, nothing once it parts from them (plain decoding)."""
+
+    def __init__(self, prompt_len: int, draft: list[int]) -> None:
+        self.prompt_len, self.draft = prompt_len, draft
+
+    def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
+        emitted = state.tokens[0, self.prompt_len:].tolist()
+        rest = self.draft[len(emitted):] if self.draft[:len(emitted)] == emitted else []
+        return DraftTree.chain(torch.tensor(rest[:max_tokens], dtype=torch.long, device=state.tokens.device))
 
 
 class Busy(Exception):
@@ -354,12 +467,13 @@ class _Scheduler:
         self._loop()
 
     # -- from execute() ------------------------------------------------------------------------
-    def submit(self, entry: _Entry) -> None:
+    def submit(self, entries: list[_Entry]) -> None:
+        """A request's rows, all queued or (server busy) none."""
         with self.cond:
-            if self.in_flight >= self.max_queue:
+            if self.in_flight + len(entries) > self.max_queue:
                 raise Busy(f"server busy: {self.in_flight} requests queued (max_queue {self.max_queue}); retry later")
-            self.in_flight += 1
-            self.inbox.append(entry)
+            self.in_flight += len(entries)
+            self.inbox += entries
             self.cond.notify()
 
     def stop(self, request_id: str) -> None:
@@ -402,7 +516,8 @@ class _Scheduler:
 
         try:
             on_tokens = entry.stream.on_tokens if entry.stream else None
-            entry.seq = self.batcher.add(BatchRequest(entry.prompt, entry.params, on_tokens))
+            proposer = None if entry.draft is None else _ClientDraft(len(entry.prompt), entry.draft)
+            entry.seq = self.batcher.add(BatchRequest(entry.prompt, entry.params, on_tokens, proposer))
         except SpecDeployError as err:
             self._answer(entry, "bad_request", error=_error_text(err))
             return
@@ -460,16 +575,14 @@ class _Scheduler:
         return seq.result.finish_reason, self._final_outputs(entry), None
 
     def _final_outputs(self, entry: _Entry) -> list:
+        """Streaming: the tokens still held back, then an empty final response; else every token
+        (after the prompt unless exclude_input_in_output)."""
         result = entry.seq.result
         if entry.stream:
             entry.stream.flush()
-            tokens = []
-        else:
-            tokens = result.token_ids if entry.exclude_input else entry.prompt + result.token_ids
-        outputs = _token_tensors(tokens)
-        if entry.perf:
-            outputs += _perf_tensors(result.metrics, entry)
-        return outputs
+            return _outputs(entry, [], len(result.token_ids))
+        tokens = result.token_ids if entry.exclude_input else entry.prompt + result.token_ids
+        return _outputs(entry, tokens, len(result.token_ids))
 
     def _answer(self, entry: _Entry, outcome: str, *, outputs: list | None = None, error: str | None = None) -> None:
         """The request's last response. Counted (metrics, queue bound) first: a client that has its
@@ -581,13 +694,15 @@ class _Streamer:
     so the postprocessing model (which decodes each response without the next one's bytes)
     never emits a broken one."""
 
-    def __init__(self, tokenizer, sink: _Sink) -> None:
+    def __init__(self, tokenizer, entry: _Entry) -> None:
         self.tokenizer = tokenizer
-        self.sink = sink
+        self.entry = entry
         self.pending: list[int] = []
+        self.generated = 0  # tokens accepted so far, sent or held back
 
     def on_tokens(self, group: list[int]) -> None:
         self.pending += group
+        self.generated += len(group)
         if self.tokenizer.decode(self.pending).endswith("\ufffd"):
             return
         self.flush()
@@ -595,35 +710,48 @@ class _Streamer:
     def flush(self) -> None:
         if not self.pending:
             return
-        self.sink.send(_token_tensors(self.pending), final=False)
+        self.entry.sink.send(_outputs(self.entry, self.pending, self.generated), final=False)
         self.pending = []
 
 
-def _token_tensors(tokens: list[int]) -> list:
+def _outputs(entry: _Entry, tokens: list[int], generated: int) -> list:
+    """One response's tensors, in TRT-LLM's shapes: output_ids [1, beam 1, n], sequence_length
+    [1, 1], batch_index [1, 1] for a row of a batched request, the perf outputs [1, 1] each (when
+    asked for) as of `generated` new tokens."""
     ids = np.array(tokens, dtype=np.int32).reshape(1, 1, len(tokens))
-    return [
+    outputs = [
         pb_utils.Tensor("output_ids", ids),
         pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32)),
     ]
+    if entry.batch_index is not None:
+        outputs.append(pb_utils.Tensor("batch_index", np.array([[entry.batch_index]], dtype=np.int32)))
+    return outputs + (_perf_tensors(entry, generated) if entry.perf else [])
 
 
-def _perf_tensors(metrics, entry: _Entry) -> list:
-    """TRT-LLM's perf outputs; the times are the request's own: arrival when execute() got it,
-    scheduled when the batcher admitted it (the difference is its queue time)."""
+def _perf_tensors(entry: _Entry, generated: int) -> list:
+    """TRT-LLM's perf outputs from the runtime's own counters. The times are the request's own:
+    arrival when execute() got it, scheduled when the batcher admitted it (the difference is its
+    queue time). The runtime's KV cache is not paged: its positions count as blocks of one token,
+    all newly allocated (no prefix reuse)."""
     seq = entry.seq
+    metrics = seq.result.metrics if seq.result is not None else seq.metrics
     scheduled = seq.first_scheduled_ns or entry.arrival_ns
     first = seq.first_token_ns or scheduled
     last = seq.last_token_ns or first
+    positions = len(entry.prompt) + generated
 
     def one(name: str, value, dtype) -> object:
         return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))
 
     return [
-        one("total_draft_tokens", metrics.draft_tokens, np.int32),
-        one("total_accepted_draft_tokens", metrics.accepted_draft_tokens, np.int32),
-        one("acceptance_rate", metrics.acceptance_rate, np.float32),
+        one("kv_cache_alloc_new_blocks", positions, np.int32),
+        one("kv_cache_reused_blocks", 0, np.int32),
+        one("kv_cache_alloc_total_blocks", positions, np.int32),
         one("arrival_time_ns", entry.arrival_ns, np.int64),
         one("first_scheduled_time_ns", scheduled, np.int64),
         one("first_token_time_ns", first, np.int64),
         one("last_token_time_ns", last, np.int64),
+        one("acceptance_rate", metrics.acceptance_rate, np.float32),
+        one("total_accepted_draft_tokens", metrics.accepted_draft_tokens, np.int32),
+        one("total_draft_tokens", metrics.draft_tokens, np.int32),
     ]

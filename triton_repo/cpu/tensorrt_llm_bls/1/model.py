@@ -7,8 +7,11 @@ steps (steps.json, which `specdeploy package` derives from the ensemble's config
 one source) on a thread per request, and one watcher thread asks the clients of the running
 requests whether they cancelled. For a request whose client did, it sends tensorrt_llm
 TensorRT-LLM's `stop` input with the request's id, which ends the sequence within a round and
-frees its KV cache. Inputs and outputs are the ensemble's; a non-streaming request gets one
-response, a streaming one a response per accepted group, then an empty final one.
+frees its KV cache. Inputs and outputs are the ensemble's (plus TensorRT-LLM's BLS draft-target
+inputs, refused: there is no separate draft model); a non-streaming request gets one response per
+batch row, a streaming one a response per accepted group, then an empty final one. Decoupled or
+not as the repository was packaged (tensorrt_llm is the same): either way each request is
+answered through its response sender, so execute() returns at once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +40,10 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         plan = json.loads((Path(args["model_repository"]) / args["model_version"] / "steps.json").read_text())
         self.steps, self.outputs, self.generator = plan["steps"], plan["outputs"], plan["generator"]
-        self.inputs = [entry["name"] for entry in json.loads(args["model_config"])["input"]]
+        config = json.loads(args["model_config"])
+        self.inputs = [entry["name"] for entry in config["input"]]
+        # tensorrt_llm shares the repository's transaction policy: its answers come the same way
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.running: dict[str, tuple] = {}  # inner request id -> (response sender, the stop request's inputs)
         self.lock = threading.Lock()
         self.alive = True
@@ -59,13 +66,19 @@ class TritonPythonModel:
 
     # -- one request ---------------------------------------------------------------------------
     def _serve(self, tensors: dict, sender, stream: bool) -> None:
-        held = None  # non-streaming: the one response, sent with the FINAL flag
+        """Streaming: each response at once, then an empty final one. Otherwise one response per
+        batch row, the last one held back to go with the FINAL flag (a non-decoupled model sends
+        exactly one response, and with it the flag)."""
+        held = None
         try:
+            _check_no_draft_model(tensors)
             for outputs in self._run(tensors, sender):
                 if stream:
                     sender.send(_response(outputs))
-                else:
-                    held = outputs
+                    continue
+                if held is not None:
+                    sender.send(_response(held))
+                held = outputs
             sender.send(_response(held) if held else None, flags=FINAL)
         except StepError as err:
             self._send_error(sender, str(err))
@@ -88,7 +101,7 @@ class TritonPythonModel:
         try:
             request = pb_utils.InferenceRequest(model_name=step["model"], inputs=inputs, request_id=inner_id,
                                                 requested_output_names=list(step["outputs"]))
-            for response in request.exec(decoupled=True):
+            for response in self._exec(request):
                 got = _outputs(step, response)
                 if got:
                     yield self._finish(names, got, index)
@@ -103,6 +116,10 @@ class TritonPythonModel:
             if any(value in got for value in step["inputs"].values()):
                 names.update(_call(step, names))
         return {name: names[name] for name in self.outputs if name in names}
+
+    def _exec(self, request) -> Iterable:
+        """The generating step's responses (one when not decoupled)."""
+        return request.exec(decoupled=True) if self.decoupled else [request.exec()]
 
     @staticmethod
     def _send_error(sender, message: str) -> None:
@@ -123,11 +140,21 @@ class TritonPythonModel:
                         with self.lock:
                             if self.running.pop(inner_id, None) is None:
                                 continue
-                        for _ in pb_utils.InferenceRequest(model_name=self.generator, inputs=stop, request_id=inner_id,
-                                                           requested_output_names=["output_ids"]).exec(decoupled=True):
+                        for _ in self._exec(pb_utils.InferenceRequest(model_name=self.generator, inputs=stop,
+                                                                      request_id=inner_id,
+                                                                      requested_output_names=["output_ids"])):
                             pass
                 except Exception:
                     pb_utils.Logger.log_error(f"specdeploy tensorrt_llm_bls: {traceback.format_exc()}")
+
+
+def _check_no_draft_model(tensors: dict) -> None:
+    """TensorRT-LLM's BLS runs draft-target speculation when asked for num_draft_tokens, with its
+    tensorrt_llm_draft model; here tensorrt_llm drafts by itself and there is no draft model to call."""
+    drafts = tensors.get("num_draft_tokens")
+    if drafts is not None and int(np.max(drafts)) > 0:
+        raise StepError("cannot perform speculative decoding without draft model: this repository has no "
+                        "tensorrt_llm_draft (its tensorrt_llm speculates by itself); leave num_draft_tokens out or 0")
 
 
 def _inputs(step: dict, names: dict) -> list:

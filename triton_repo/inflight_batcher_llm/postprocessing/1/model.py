@@ -1,7 +1,8 @@
 """specdeploy postprocessing: token ids -> text with the model's HF tokenizer (Python backend).
 
 TOKENS_BATCH is [batch, beam, tokens] and SEQUENCE_LENGTH [batch, beam], as TensorRT-LLM's
-tensorrt_llm model emits them; in streaming it runs once per response (one accepted group).
+tensorrt_llm model emits them; OUTPUT is [batch * beam], as TensorRT-LLM's postprocessing returns
+it. In streaming it runs once per response (one accepted group).
 
 A group is decoded after a fixed context token and that token's text is cut off again: decoded
 alone, a SentencePiece (Metaspace) group would lose its leading space, so the streamed pieces
@@ -60,14 +61,14 @@ class TritonPythonModel:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def _postprocess(self, request):
+        """OUTPUT holds one text per sequence, batch-major, as a 1-D array ([1] for one request
+        with one beam): the shape TensorRT-LLM's postprocessing returns, which its clients index
+        as output[0]."""
         tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
         lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
         if tokens.ndim == 2:  # no beam dimension
             tokens = tokens[:, None, :]
         lengths = lengths.reshape(tokens.shape[:2])
-        texts = np.empty(lengths.shape, dtype=object)
-        for b in range(tokens.shape[0]):
-            for k in range(tokens.shape[1]):
-                ids = tokens[b, k, : int(lengths[b, k])].tolist()
-                texts[b, k] = self.decode(ids).encode("utf-8")
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", texts)])
+        texts = [self.decode(tokens[b, k, : int(lengths[b, k])].tolist()).encode("utf-8")
+                 for b in range(tokens.shape[0]) for k in range(tokens.shape[1])]
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object))])

@@ -155,6 +155,7 @@ class TritonPythonModel:
             "OUT_END_ID": self._ids_or_default(request, "END_ID", self.end_id, batch),
             "OUT_PAD_ID": pad_id,
         }
-        if _optional(request, "EMBEDDING_BIAS_WORDS") is not None:
+        bias_words = _optional(request, "EMBEDDING_BIAS_WORDS")
+        if bias_words is not None and bias_words.size:  # an empty list biases nothing (NVIDIA's clients send one)
             raise BadRequest("embedding_bias_words is not supported by this deployment")
         return [pb_utils.Tensor(name, value) for name, value in tensors.items()]
