@@ -31,6 +31,8 @@ from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import package
 from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions
+from tests.test_served_batching import (DEADLINE_S, assert_cancelled_early, finished, generated, in_flight, scrape,
+                                        wait_for, wait_idle)
 from tests.test_triton_server import http_post
 from tests.tiny import CORPUS, make_llama
 from tests.triton_raw import StreamClient
@@ -39,6 +41,7 @@ pytestmark = pytest.mark.server
 
 PROMPT = "The quick brown fox"
 STOP_AT = 3  # the generated token (by position) made special, to be the special stop word
+LONG = 900  # tokens: a request that runs for seconds, to be cancelled
 
 
 def metaspace_tokenizer(out: Path) -> PreTrainedTokenizerFast:
@@ -210,24 +213,28 @@ def test_a_stream_request_without_a_prompt_gets_an_error(server, stream):
 
 
 def test_client_timeout_cancels_and_returns_promptly(server, decoder):
-    long = Request(PROMPT, max_tokens=900, end_id=decoder.tokenizer.bos_token_id)  # BOS: never generated, no early end
+    long = Request(PROMPT, max_tokens=LONG, end_id=decoder.tokenizer.bos_token_id)  # BOS: the model emits it only late
     full = TritonLLMClient(server.grpc_url, "grpc", timeout_s=300)
     started = time.perf_counter()
     done = full.generate(long)
-    generation_s = time.perf_counter() - started
-    assert len(done.text) > 1000, "the request must be long for the bound to mean anything"
+    generation_s = time.perf_counter() - started  # sizes the short timeout, never asserted on
+    assert len(done.text) > 1000, "the request must be long for the timeout to fall inside it"
     short = TritonLLMClient(server.grpc_url, "grpc", timeout_s=0.2 * generation_s)
-    started = time.perf_counter()
+    wait_idle(server)
+    before = finished(scrape(server))
     with pytest.raises(SpecDeployError, match="request cancelled"):
         short.generate(long)
-    assert time.perf_counter() - started < 0.5 * generation_s, generation_s
+    # promptly: it gave up while the server was still generating the answer, not once it was done
+    assert finished(scrape(server)) == before
     # through the ensemble, this Triton does not pass the cancellation on to the tensorrt_llm step
     # already running (it skips only steps not yet scheduled), so the next request may wait
     _answers_next_request(server)
 
 
 def test_a_cancelled_tensorrt_llm_request_stops_generating(server, decoder):
-    """Called directly (no ensemble), the model sees is_cancelled() between rounds and stops."""
+    """Called directly (no ensemble), the model sees is_cancelled() between rounds and stops: the
+    request, sent again and cancelled while it runs, is recorded cancelled with fewer tokens than
+    it generates uncancelled, and the server answers the next request."""
     ids = decoder.encode(PROMPT)
 
     def one(name, array, dtype):
@@ -237,23 +244,28 @@ def test_a_cancelled_tensorrt_llm_request_stops_generating(server, decoder):
 
     inputs = [one("input_ids", np.array([ids], dtype=np.int32), "INT32"),
               one("input_lengths", np.array([[len(ids)]], dtype=np.int32), "INT32"),
-              one("request_output_len", np.array([[900]], dtype=np.int32), "INT32"),
+              one("request_output_len", np.array([[LONG]], dtype=np.int32), "INT32"),
               one("end_id", np.array([[decoder.tokenizer.bos_token_id]], dtype=np.int32), "INT32")]
     client = grpcclient.InferenceServerClient(server.grpc_url)
     answers: queue.Queue = queue.Queue()
+    wait_idle(server)
+    before = scrape(server)
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    started = time.perf_counter()
     client.async_stream_infer("tensorrt_llm", inputs, enable_empty_final_response=True)
-    answers.get(timeout=300)
-    generation_s = time.perf_counter() - started
+    _, error = answers.get(timeout=DEADLINE_S)
     client.stop_stream()
+    assert error is None, error
+    after = scrape(server)
+    assert finished(after) == finished(before) + 1
+    whole = generated(before, after)
+    assert whole > 100, "the request must be long for its cancellation to fall inside it"
+    before = after
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     client.async_stream_infer("tensorrt_llm", inputs, enable_empty_final_response=True)
-    time.sleep(0.2 * generation_s)
+    wait_for(lambda: in_flight(server) == 1, DEADLINE_S, "the request is in the batch")  # cancelled while it runs
     client.stop_stream(cancel_requests=True)
-    started = time.perf_counter()
+    assert_cancelled_early(server, before, whole)
     _answers_next_request(server)
-    assert time.perf_counter() - started < 0.5 * generation_s, generation_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,15 +274,19 @@ def test_a_cancelled_tensorrt_llm_request_stops_generating(server, decoder):
 
 SLOW_MODEL = """
 import time
+from pathlib import Path
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        time.sleep(120)
+        Path({marker!r}).with_suffix(".loading").touch()
+        time.sleep({load_s})
+        Path({marker!r}).with_suffix(".loaded").touch()
 
     def execute(self, requests):
         return []
 """
+SLOW_LOAD_S = 120
 SLOW_CONFIG = """
 name: "slow"
 backend: "python"
@@ -285,7 +301,8 @@ def test_serve_stops_on_sigint_while_loading(tmp_path):
     repo = tmp_path / "repo"
     (repo / "slow" / "1").mkdir(parents=True)
     (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
-    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    marker = tmp_path / "slow"  # the stub touches slow.loading as it starts loading, slow.loaded once done
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(marker=str(marker), load_s=SLOW_LOAD_S))
     ports = [str(free_port()) for _ in range(3)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdeploy", "serve", "--build-dir", str(tmp_path / "build"), "--repo", str(repo),
@@ -295,14 +312,14 @@ def test_serve_stops_on_sigint_while_loading(tmp_path):
     prefix = f"{SHM_PREFIX}specdeploy_{proc.pid}_"
     try:
         deadline = time.monotonic() + 60
-        while not shm_regions(prefix) and time.monotonic() < deadline:  # the stub is loading the model
+        while not marker.with_suffix(".loading").exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert shm_regions(prefix), "the server never started loading"
-        time.sleep(1)
+        assert marker.with_suffix(".loading").exists(), "the server never started loading"
+        assert shm_regions(prefix)
         proc.send_signal(signal.SIGINT)
-        started = time.monotonic()
-        assert proc.wait(60) == 0
-        assert time.monotonic() - started < 40, "it waited for the model to load"
+        # a deadline past the load: whether it waited for the model is told by the marker, not the clock
+        assert proc.wait(SLOW_LOAD_S + 60) == 0
+        assert not marker.with_suffix(".loaded").exists(), "it waited for the model to load"
     finally:
         if proc.poll() is None:
             proc.kill()
