@@ -10,6 +10,7 @@ DEVICE ?= auto
 SPEC ?= eagle
 QUANT ?= fp8
 DRAFT ?=
+MODULE ?=
 BUILD ?= build
 ENGINE_ARGS ?=
 BENCH_ARGS ?=
@@ -27,7 +28,8 @@ $(STAMP): pyproject.toml requirements-data.txt
 	touch $@
 
 # serve/verify/loadtest find the build `make engine` wrote from the same variables
-BUILD_ARGS = --model $(MODEL) --spec $(SPEC) --quant $(QUANT) --build-root $(BUILD)
+# MODULE=<folder>: the spec stage imports that module instead of training one (it names the build too)
+BUILD_ARGS = --model $(MODEL) --spec $(SPEC) --quant $(QUANT) --build-root $(BUILD) $(if $(MODULE),--module $(MODULE))
 
 engine: venv
 	$(PY) -m specdeploy engine $(BUILD_ARGS) --device $(DEVICE) $(if $(DRAFT),--draft $(DRAFT)) $(ENGINE_ARGS)

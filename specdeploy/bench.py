@@ -253,12 +253,9 @@ def prompt_texts(source: str, n: int) -> list[str]:
 
 
 def load_prompts(source: str, n: int, tokenizer: Any, chat: bool) -> list[list[int]]:
-    from specdeploy.data import chat_text
+    from specdeploy.prompts import chat_ids, text_ids
 
-    texts = prompt_texts(source, n)
-    if chat and getattr(tokenizer, "chat_template", None):
-        return [tokenizer(chat_text(tokenizer, t), add_special_tokens=False)["input_ids"] for t in texts]
-    return [tokenizer(t)["input_ids"] for t in texts]
+    return [chat_ids(tokenizer, t) if chat else text_ids(tokenizer, t) for t in prompt_texts(source, n)]
 
 
 def trained_modules(build_root: Path, model: str) -> dict[str, str]:

@@ -23,7 +23,10 @@ import numpy as np
 from specdeploy.errors import SpecDeployError
 
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
-PERF_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate")
+# TensorRT-LLM's speculative-decoding perf outputs, then the two the CPU repository adds (emitted tokens and
+# target forwards after the prefill: what the acceptance length is counted on)
+PERF_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance_rate", "total_generated_tokens",
+                "total_target_forwards")
 # What the server does when an HTTP client gives up (tritonserver 2.51, measured): a generate_stream
 # request to tensorrt_llm or tensorrt_llm_bls is cancelled (within a round); a non-streaming generate
 # request is not, nor is either through the ensemble (Triton does not pass a cancellation on to the step

@@ -128,14 +128,6 @@ def sharegpt_prompts(n: int | None = None, split: str = "train", seed: int = 0, 
     return _sample(prompts, n, seed)
 
 
-def chat_text(tokenizer: Any, prompt: str) -> str:
-    """A user turn rendered with the tokenizer's chat template, as a chat client sends it: the
-    TRT-LLM ensemble tokenizes text_input as given. The prompt itself when there is no template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return prompt
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-
-
 def heldout_texts(n: int | None = None, seed: int = 0, *, min_chars: int = 200) -> list[str]:
     """Assistant answers from held-out conversations: natural text for perplexity."""
     _check(n, "heldout")

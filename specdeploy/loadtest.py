@@ -53,7 +53,7 @@ from specdeploy.runtime.planner import break_even, suggested_spec_off_above
 from specdeploy.runtime.types import acceptance_length
 from specdeploy.stats import percentiles
 from specdeploy.verify import (DEPLOYMENT, Reference, autoregressive_twin, near_tie_limit, parity_rule, round_tokens,
-                               served_forwards)
+                               served_counts)
 
 STAGE, OUT = "loadtest", "loadtest"
 MIN_REQUESTS, REQUESTS_PER_CLIENT = 8, 3  # the default requests per arm, level and pass (Sweep.requests_at)
@@ -272,14 +272,13 @@ def measure(timed: Timed, tokenizer: Any) -> dict[str, Any]:
     if timed.error:
         return row
     counts = chunk_tokens(tokenizer, timed.chunks)
-    tokens = sum(counts)
+    tokens, accepted, forwards = served_counts(timed.perf, sum(counts))  # the server's own counters where it has them
     ttft = timed.chunk_s[0] if timed.chunk_s else timed.latency_s
-    accepted = int(timed.perf.get("total_accepted_draft_tokens", 0))
     return {
         **row, "latency_s": timed.latency_s, "ttft_s": ttft, "tokens": tokens,
         "tpot_s": (timed.latency_s - ttft) / (tokens - 1) if tokens > 1 else None,
         "itl_s": inter_token_gaps(timed.chunk_s, counts), "chunk_s": timed.chunk_s, "chunk_tokens": counts,
-        "accepted_draft_tokens": accepted, "target_forwards": served_forwards(tokens, accepted),
+        "accepted_draft_tokens": accepted, "target_forwards": forwards,
         "text": "".join(timed.chunks),
     }
 

@@ -49,10 +49,13 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def build_name(model: str, spec: str, quant: str) -> str:
-    """build/<name>/ for a model/spec/quant combination, e.g. 'smollm2-135m-eagle-fp8'."""
+def build_name(model: str, spec: str, quant: str, module: str | None = None) -> str:
+    """build/<name>/ for a model/spec/quant combination, e.g. 'smollm2-135m-eagle-fp8'; an imported
+    module's folder name joins the spec ('...-eagle-<folder>-fp8'), so importing never replaces a
+    trained module's build."""
     stem = Path(model.rstrip("/")).name.removesuffix(".gguf")
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stem}-{spec}-{quant}").strip("-").lower()
+    kind = f"{spec}-{Path(module.rstrip('/')).name}" if module else spec
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stem}-{kind}-{quant}").strip("-").lower()
 
 
 def add_build_args(parser: argparse.ArgumentParser) -> None:
@@ -62,12 +65,14 @@ def add_build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf file or bundled name")
     parser.add_argument("--spec", default="eagle", choices=["eagle", "medusa", "dflash", "draft", "ngram", "none"])
     parser.add_argument("--quant", default="fp8", choices=QUANT_FORMATS, help="ModelOpt quantization format of the base")
+    parser.add_argument("--module", help="a speculative module made elsewhere (a folder in a layout docs/formats.md lists): "
+                                         "the spec stage imports it instead of training one; it names the build too")
 
 
 def build_from_args(args: argparse.Namespace) -> "BuildDir":
     if args.build_dir:
         return BuildDir(args.build_dir)
-    return BuildDir(Path(args.build_root) / build_name(args.model, args.spec, args.quant))
+    return BuildDir(Path(args.build_root) / build_name(args.model, args.spec, args.quant, getattr(args, "module", None)))
 
 
 class BuildDir:

@@ -363,23 +363,28 @@ def _check_remote_code(folder: Path, trust_remote_code: bool) -> None:
         )
 
 
-def _pickle_files(folder: Path) -> list[Path]:
+def pickle_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+
+
+def refuse_pickles(folder: Path, pickles: list[Path], allow_pickle: bool) -> None:
+    """The pickle policy of every reader of user folders: pickle weights only when the user vouches for them."""
+    if pickles and not allow_pickle:
+        raise SpecDeployError(
+            f"{folder} has only pickle weights ({', '.join(p.name for p in pickles)}); "
+            "unpickling can run arbitrary code",
+            hint="convert them to safetensors, or pass --allow-pickle if you trust the file's origin",
+        )
 
 
 def resolve_local_dir(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
     _check_remote_code(folder, trust_remote_code)
     if any(folder.glob("*.safetensors")):
         return folder
-    pickles = _pickle_files(folder)
+    pickles = pickle_files(folder)
     if not pickles:
         raise SpecDeployError(f"{folder} holds no weights (*.safetensors)", hint=f"accepted forms: {ACCEPTED_FORMS}")
-    if not allow_pickle:
-        raise SpecDeployError(
-            f"{folder} has only pickle weights ({', '.join(p.name for p in pickles)}); "
-            "unpickling can run arbitrary code",
-            hint="convert them to safetensors, or pass --allow-pickle if you trust the file's origin",
-        )
+    refuse_pickles(folder, pickles, allow_pickle)
     return _convert_pickle_dir(folder, trust_remote_code)
 
 

@@ -17,6 +17,10 @@ from specdeploy.runtime.decoding import eos_token_ids
 # The near-tie limit where the served numerics cannot be measured (a TensorRT-LLM server) and the
 # floor of a measured one: plain bf16 moves a top-2 margin by <= ~0.5 with the forward's shape.
 NEAR_TIE = 1.0
+# The ceiling of a measured one: where the reference preferred its token by more (e^1.5 ~ 4.5x the
+# runner-up's probability), parting from it is a fault to look at, however far FP8 rounding can move
+# a margin at its rarest positions (up to 2-4 logits on the default build)
+NEAR_TIE_CAP = 1.5
 
 
 @dataclass
@@ -130,15 +134,20 @@ def _generate(model, tokenizer, prefix: torch.Tensor, max_new_tokens: int) -> tu
 
 
 def compare(prompt: str, reference: Reference, served: str, tokenizer) -> ParityResult:
-    """Exact text match; otherwise the first reference token whose text the served output leaves."""
+    """Exact text match; otherwise the first reference token whose text the served output leaves.
+    A served output that goes on past the reference's whole text parts where the reference
+    stopped: at its first token that adds no text (its EOS), judged by the margin there; past a
+    reference cut at max_new_tokens there is none, so no margin."""
     if served == reference.text:
         return ParityResult(prompt, reference.text, served, True, None, None)
-    divergence = len(reference.token_ids)
-    for i in range(len(reference.token_ids)):
-        prefix = tokenizer.decode(reference.token_ids[: i + 1], skip_special_tokens=True)
-        if not served.startswith(prefix):
-            divergence = i
-            break
+    ids = reference.token_ids
+
+    def text(n: int) -> str:
+        return tokenizer.decode(ids[:n], skip_special_tokens=True)
+
+    divergence = next((i for i in range(len(ids)) if not served.startswith(text(i + 1))), None)
+    if divergence is None:
+        divergence = next(n for n in range(len(ids) + 1) if text(n) == reference.text)
     margin = reference.margins[divergence] if divergence < len(reference.margins) else None
     return ParityResult(prompt, reference.text, served, False, divergence, margin)
 

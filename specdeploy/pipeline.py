@@ -23,6 +23,7 @@ from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
 from specdeploy.quantize.formats import DEPLOY_DTYPES
+from specdeploy.spec.commands import accepted, add_import_args
 from specdeploy.triton.package import (ADAPTIVE_HELP, CPU_MAX_BATCH_SIZE, SERVE_DTYPE_HELP, SERVE_DTYPES, add_cpu_deployment_args,
                                       gpu_summary)
 from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
@@ -60,6 +61,9 @@ class EngineOptions:
     quant_exclude: list[str] | None = None  # Linears kept in the model dtype (quantize --exclude)
     quant_report: bool = True
     spec_overrides: dict | None = None  # e.g. {"steps": 5} for a quick look
+    module: str | None = None  # a module made elsewhere: the spec stage imports it (modules.stage) instead of training
+    module_accept: tuple[str, ...] = ()  # differences from the base the user vouches for (modules.spec.ACCEPTABLE)
+    gate_floor: float | None = None  # the import's acceptance floor (None: modules.stage.GATE_FLOOR)
 
 
 def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callable[[], Path]]]:
@@ -73,7 +77,9 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
         ("resolve", lambda: models.run(build, opts.model, allow_pickle=opts.allow_pickle,
                                        trust_remote_code=opts.trust_remote_code)),
     ]
-    if opts.spec in TRAINED_SPECS:
+    if opts.module:
+        steps.append(("spec", lambda: _import_module(build, opts)))
+    elif opts.spec in TRAINED_SPECS:
         from specdeploy.spec import commands as spec
 
         overrides = {k: v for k, v in (opts.spec_overrides or {}).items() if v is not None}
@@ -94,6 +100,18 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
                                         spec_off_above=opts.spec_off_above, cpu_draft_shape=opts.cpu_draft_shape)),
     ]
     return steps
+
+
+def _import_module(build: BuildDir, opts: EngineOptions) -> Path:
+    """MODULE=<folder>: the spec stage reads a module made elsewhere instead of training one."""
+    from specdeploy.modules import stage
+
+    if opts.spec not in TRAINED_SPECS:
+        raise SpecDeployError(f"MODULE is a speculative module for SPEC=eagle|dflash|medusa, not SPEC={opts.spec}",
+                              hint="pass SPEC= the module's kind, or drop MODULE")
+    floor = stage.GATE_FLOOR if opts.gate_floor is None else opts.gate_floor
+    return stage.run(build, opts.spec, opts.module, allow_pickle=opts.allow_pickle, accept=opts.module_accept,
+                     gate_floor=floor, device=opts.device, trust_remote_code=opts.trust_remote_code)
 
 
 def _draft_dir(build: BuildDir, opts: EngineOptions) -> str | None:
@@ -170,9 +188,10 @@ def print_summary(build: BuildDir, rows: list[dict], opts: EngineOptions) -> Non
 
 def next_commands(build: BuildDir, opts: EngineOptions) -> str:
     """How to serve and verify this build: make variables when they name it, else the CLI."""
-    if build.root.name != build_name(opts.model, opts.spec, opts.quant):  # an explicit --build-dir
+    if build.root.name != build_name(opts.model, opts.spec, opts.quant, opts.module):  # an explicit --build-dir
         return f"specdeploy serve --build-dir {build.root}   then   specdeploy verify --build-dir {build.root}"
     flags = f"MODEL={opts.model} SPEC={opts.spec} QUANT={opts.quant}" + (f" DRAFT={opts.draft}" if opts.draft else "")
+    flags += f" MODULE={opts.module}" if opts.module else ""
     if build.root.parent.resolve() != Path("build").resolve():
         flags += f" BUILD={build.root.parent}"
     return f"make serve {flags}   then   make verify {flags}"
@@ -181,9 +200,9 @@ def next_commands(build: BuildDir, opts: EngineOptions) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
     add_device_arg(parser)
-    parser.add_argument("--allow-pickle", action="store_true", help="resolve: accept pytorch_model.bin / *.pt weights (runs pickle)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="resolve and every loader: accept a config with a remote-code auto_map")
+    add_import_args(parser)  # --allow-pickle (resolve and the import), --module-accept, --gate-floor
     parser.add_argument("--draft", help="SPEC=draft: the draft model (folder, .gguf or bundled name)")
     parser.add_argument("--kv-cache", choices=["fp8", "none"], help="KV-cache quantization (default: follows --quant)")
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
@@ -220,6 +239,7 @@ def main(args: argparse.Namespace) -> int:
         trtllm_version=args.trtllm_version, tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
         spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts, "ttt_steps": args.spec_ttt_steps},
+        module=args.module, module_accept=accepted(args), gate_floor=args.gate_floor,
     )
     build = build_from_args(args)
     for note in gpu_route_notes(opts):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdeploy.parity import compare, hf_reference
+from specdeploy.parity import Reference as Greedy
+from specdeploy.parity import compare, hf_reference, parity_holds
 from specdeploy.quantize.loader import parity_dtype
 from specdeploy.runtime.types import acceptance_length
 from specdeploy.verify import (ACCEPTANCE_DEFINITION, SPEEDUP_DEFINITION, _speedup, parity_rule, served_forwards, summarize,
@@ -20,7 +22,13 @@ def test_reference_match_and_divergence(tiny_llama_dir):
     prompt_ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids
     ref = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=12)
     assert len(ref.token_ids) == len(ref.margins) == 12
-    assert all(m >= 0 for m in ref.margins)
+    # each token is the argmax and each margin its top-2 gap at the same position, recomputed in one
+    # forward over prompt + answer (a margin taken one position off would differ by whole logits)
+    ids = torch.cat([prompt_ids, torch.tensor([ref.token_ids])], dim=1)
+    logits = model(ids).logits[0, prompt_ids.shape[1] - 1:-1]
+    top2 = logits.topk(2, dim=-1).values
+    assert logits.argmax(-1).tolist() == ref.token_ids
+    assert ref.margins == pytest.approx((top2[:, 0] - top2[:, 1]).tolist(), rel=1e-4, abs=1e-5)
 
     same = compare("p", ref, ref.text, tokenizer)
     assert same.match and same.first_divergence_token is None
@@ -31,6 +39,19 @@ def test_reference_match_and_divergence(tiny_llama_dir):
     assert not other.match
     assert other.first_divergence_token == 5
     assert other.margin_at_divergence == ref.margins[5]
+
+
+def test_an_answer_that_goes_on_where_the_reference_stopped_parts_at_the_eos(tiny_llama_dir):
+    """The reference ends with EOS at position k; the served answer goes on there (a near-tie):
+    the divergence is k, judged by the margin at k (the EOS's), not past the reference's end."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    words = tokenizer("def add", add_special_tokens=False)["input_ids"]
+    ids = words + [tokenizer.eos_token_id]
+    margins = [5.0] * len(words) + [0.25]
+    ref = Greedy(ids, tokenizer.decode(ids, skip_special_tokens=True), margins)
+    result = compare("p", ref, ref.text + "(a, b)", tokenizer)
+    assert (result.match, result.first_divergence_token, result.margin_at_divergence) == (False, len(words), 0.25)
+    assert parity_holds(result, exact=False, near_tie=1.0) and not parity_holds(result, exact=True, near_tie=1.0)
 
 
 def _forwards(model) -> list[int]:
@@ -187,23 +208,26 @@ def test_the_margin_shift_is_nothing_in_float64_and_rounding_in_bf16(tiny_llama_
     assert len(rounded) == len(answer) + 1 and max(rounded) < 0.5
 
 
-def test_the_measured_near_tie_limit_is_the_largest_shift_and_never_under_the_floor(tiny_llama_dir, monkeypatch):
+def test_the_measured_near_tie_limit_is_the_p99_shift_between_the_floor_and_the_cap(tiny_llama_dir, monkeypatch):
     from specdeploy import verify
     from specdeploy.models import load_causal_lm
-    from specdeploy.parity import NEAR_TIE
+    from specdeploy.parity import NEAR_TIE, NEAR_TIE_CAP
 
     model, tokenizer, _ = _tiny(tiny_llama_dir)
     reference = verify.Reference(load_causal_lm(tiny_llama_dir, "float64"), tokenizer)
     answers = [("def add(a, b):", " return a + b"), ("def sub(a, b):", "")]  # an empty answer: nothing to measure
     exact = verify.measured_near_tie(reference, answers, 8, chunk=2)
     assert exact["limit"] == NEAR_TIE and exact["largest_shift"] < 1e-9 and exact["positions"] > 1
-    monkeypatch.setattr(verify, "margin_shift", lambda *args: [0.25, 2.5, 0.75])
+    shifts = [0.25] * 98 + [1.25, 1.25, 4.0]  # p99 (stats.percentiles: linear) 1.25, under the cap
+    monkeypatch.setattr(verify, "margin_shift", lambda *args: shifts)
     noisy = verify.measured_near_tie(reference, answers, 8, chunk=2)
-    assert noisy["limit"] == 2.5 and noisy["positions"] == 3 and noisy["round_tokens"] == 2
-    assert noisy["p99_shift"] == pytest.approx(0.75 + 0.98 * (2.5 - 0.75))  # stats.percentiles: linear
+    assert noisy["limit"] == noisy["p99_shift"] == 1.25 and noisy["largest_shift"] == 4.0
+    assert noisy["positions"] == 101 and noisy["round_tokens"] == 2
+    shifts[-3:] = [2.5, 2.5, 6.77]  # a p99 past the cap
+    assert verify.measured_near_tie(reference, answers, 8, chunk=2)["limit"] == NEAR_TIE_CAP
     row = {"prompt": "p", "reference": "a", "served": "b", "match": False, "first_divergence_token": 3,
-           "margin_at_divergence": 1.375, "speedup": None, "tokens": 4, "latency_s": 1.0, "ttft_s": 0.1,
+           "margin_at_divergence": 1.125, "speedup": None, "tokens": 4, "latency_s": 1.0, "ttft_s": 0.1,
            "accepted_draft_tokens": 0, "target_forwards": 4, "category": "code", "shown": "p"}
     assert not summarize([row], "bfloat16", "near-tie", NEAR_TIE)["parity_ok"]
     measured = summarize([row], "bfloat16", "near-tie", noisy["limit"], measured=noisy)
-    assert measured["parity_ok"] and measured["parity_rule"] == "near-tie (margin <= 2.5, measured)"
+    assert measured["parity_ok"] and measured["parity_rule"] == "near-tie (margin <= 1.25, measured)"

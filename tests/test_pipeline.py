@@ -110,7 +110,7 @@ def test_verify_reports_exactness_served_and_fidelity_on_the_fp8_build(engine_bu
     served = fast_dtype(torch.device("cpu"))
     assert summary["dtype"] == served and summary["parity_rule"].startswith("near-tie") and summary["parity_ok"]
     tie = summary["near_tie_measured"]  # the limit, measured on the served model (verify.measured_near_tie)
-    assert summary["parity_rule"].endswith("measured)") and tie["positions"] > 4 and tie["limit"] == max(1.0, tie["largest_shift"])
+    assert summary["parity_rule"].endswith("measured)") and tie["positions"] > 4 and tie["limit"] == min(max(1.0, tie["p99_shift"]), 1.5)
     assert all(r["match"] or r["margin_at_divergence"] <= tie["limit"] for r in rows)
     # speed-up: output tokens/s of each arm on its own output (they may stop at different lengths)
     assert all(r["ar_tokens"] >= 1 and (not r["ar_matches"] or r["ar_tokens"] == r["tokens"]) for r in rows)

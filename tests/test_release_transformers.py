@@ -19,11 +19,8 @@ this project's code.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +32,13 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specdeploy import models
-from specdeploy.fileio import cache_dir
 from specdeploy.manifest import BuildDir
 from specdeploy.quantize import stage as quantize_stage
 from specdeploy.spec.train import TrainSettings, train
 from specdeploy.triton import package
 from specdeploy.trtllm import build as trt_build
 from specdeploy.trtllm import convert, llmapi, releases
+from tests.oracle import oracle_venv
 from tests.test_trtllm_llmapi import dflash_spec
 from tests.tiny import make_tokenizer
 
@@ -64,24 +61,8 @@ TINY = dict(num_prompts=8, max_new_tokens=24, window=48, batch_size=4, draft_voc
 
 
 def oracle_python(version: str) -> Path:
-    """The python of a venv with transformers==`version`, made once per pin set (under a file lock:
-    concurrent test runs build it once)."""
-    pins = (f"transformers=={version}", *ORACLE_PINS)
-    key = hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12]
-    venv = cache_dir() / "oracle-venvs" / f"transformers-{version}-{key}"
-    python, stamp = venv / "bin" / "python", venv / ".installed"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not stamp.is_file():
-            shutil.rmtree(venv, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                pytest.fail(f"could not install the oracle venv {venv} ({', '.join(pins)}):\n{done.stderr[-3000:]}")
-            stamp.write_text("\n".join(pins) + "\n")
-    return python
+    """The python of a venv with transformers==`version` and the pins beside it (tests/oracle.py)."""
+    return oracle_venv(f"transformers-{version}", (f"transformers=={version}", *ORACLE_PINS))
 
 
 def probe(python: Path | str, request: dict[str, Any], scratch: Path) -> dict[str, Any]:

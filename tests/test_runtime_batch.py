@@ -387,3 +387,178 @@ def test_deployment_spec_off_above_reaches_the_batcher(tmp_path, tiny_llama_dir,
         with pytest.raises(SpecDeployError, match="spec_off_above must be a non-negative integer") as err:
             load_decoder(path)
         assert "omit it" in err.value.hint
+
+
+# ---------------------------------------------------------------------------------- stops
+
+
+def test_a_stop_inside_an_accepted_draft_counts_only_what_was_emitted(target64, prompts):
+    """The batch's counters (the sequence's metrics, BatchStats and its per-position counts) count
+    accepted draft tokens up to the stop that ended the sequence, not the round's dropped tail."""
+    base = make_proposer("self-draft", target64, None)  # every draft accepted: rounds of 4 + 1 tokens
+    ref = solo(target64, BatchRequest(prompts[1], SamplingParams(max_new_tokens=30)), None)
+    stop_at = next(i for i in range(6, 30) if (i - 1) % 5 < 3 and ref[i] not in ref[:i])
+    rounds, drafts_emitted = (stop_at - 1) // 5 + 1, (stop_at - 1) % 5 + 1
+    request = BatchRequest(prompts[1], SamplingParams(max_new_tokens=40, stop_token_ids=(ref[stop_at],)))
+    batcher = InflightBatcher(target64, base.fork, draft_len=4, adaptive=False)
+    (seq,), _, _ = run(batcher, [(0, request)])
+    assert seq.result.token_ids == ref[: stop_at + 1] and seq.result.finish_reason == "stop"
+    accepted = 4 * (rounds - 1) + drafts_emitted
+    metrics = seq.result.metrics
+    assert (metrics.target_forwards, metrics.draft_tokens, metrics.accepted_draft_tokens) == (rounds, 4 * rounds, accepted)
+    assert (batcher.stats.draft_tokens, batcher.stats.accepted_draft_tokens) == (4 * rounds, accepted)
+    assert batcher.stats.drafted_at_position == [rounds] * 4
+    assert batcher.stats.accepted_at_position == [rounds] * drafts_emitted + [rounds - 1] * (4 - drafts_emitted)
+
+
+# ---------------------------------------------------------------------------------- module context
+
+
+def randomized(proposer: Proposer) -> Proposer:
+    """A fresh module's attention adds nothing (zero-initialized output): random weights make its
+    context matter, so a draft shows whether the module saw every earlier position."""
+    torch.manual_seed(0)
+    module = proposer.module
+    with torch.no_grad():
+        for weight in module.parameters():
+            weight.normal_(0.0, 0.3)
+    return proposer
+
+
+class FailsOnce(Proposer):
+    """Wraps a proposer; the `at`-th draft made by any of its forks raises (a transient failure:
+    the batch's row-by-row retry succeeds)."""
+
+    def __init__(self, inner: Proposer, at: int, calls: list[int] | None = None) -> None:
+        self.inner, self.at, self.calls = inner, at, calls if calls is not None else [0]
+        self.kind, self.hidden_layers = inner.kind, inner.hidden_layers
+
+    def fork(self) -> Proposer:
+        return FailsOnce(self.inner.fork(), self.at, self.calls)
+
+    def propose(self, state, max_tokens):
+        self.calls[0] += 1
+        if self.calls[0] == self.at:
+            raise RuntimeError("the draft failed once")
+        return self.inner.propose(state, max_tokens)
+
+    def update(self, num_accepted, num_proposed):
+        self.inner.update(num_accepted, num_proposed)
+
+
+@pytest.mark.parametrize(("kind", "where"), [("eagle-chain", "one proposer"), ("dflash", "one proposer"),
+                                             ("eagle-chain", "batch draft"), ("eagle-tree", "batch draft")])
+def test_a_failed_batch_draft_keeps_every_module_context(kind, where, target64, prompts, monkeypatch):
+    """After a batch draft raises, each row drafts alone; a row whose proposer had already taken in
+    this round's positions must keep its module context: every draft equals the one the same batch
+    drafts without the failure (float64)."""
+    from specdeploy.runtime import batch as batch_module
+    from specdeploy.runtime.proposers import eagle
+
+    base = randomized(make_proposer(kind, target64, None))
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=16)) for i in (0, 2, 3)]
+
+    def drafts(fail_at: int) -> tuple[list, list]:
+        """The answers and every draft the batch verified, with the `fail_at`-th draft (or batch draft) failing."""
+        seen = []
+        with monkeypatch.context() as patch:
+            patch.setattr(batch_module, "prune", lambda tree, *a: seen.append((tree.tokens.tolist(), tree.parents))
+                          or prune(tree, *a))
+            if where == "one proposer":
+                factory = FailsOnce(base, fail_at).fork
+            else:  # the batch's drafting after the shared ingest raises
+                name = "_chains" if kind == "eagle-chain" else "_dynamic_trees"
+                real, calls = getattr(eagle, name), [0]
+
+                def failing(*a, **k):
+                    calls[0] += 1
+                    if calls[0] == fail_at:
+                        raise RuntimeError("the batch draft failed once")
+                    return real(*a, **k)
+
+                patch.setattr(eagle, name, failing)
+                factory = base.fork
+            seqs, _, _ = run(InflightBatcher(target64, factory, draft_len=4, adaptive=False), [(0, r) for r in requests])
+        assert all(seq.error is None for seq in seqs)
+        return [seq.result.token_ids for seq in seqs], seen
+
+    prune = batch_module.prune
+    clean_out, clean = drafts(fail_at=10**9)
+    # the second row's draft in round 3 (the first row's already took its positions in), or round 3's batch draft
+    failed_out, retried = drafts(fail_at=8 if where == "one proposer" else 3)
+    assert failed_out == clean_out == [solo(target64, request, None) for request in requests]
+    assert sum(len(tokens) for tokens, _ in clean) > 0
+    assert retried == clean
+
+
+class Recorder(Proposer):
+    """Wraps a proposer, drafting through its own propose_batch; keeps (tokens, max_tokens, tree)
+    of every draft."""
+
+    def __init__(self, inner: Proposer, log: list | None = None) -> None:
+        self.inner, self.log = inner, log if log is not None else []
+        self.kind, self.hidden_layers = inner.kind, inner.hidden_layers
+
+    def fork(self) -> Proposer:
+        return Recorder(self.inner.fork(), self.log)
+
+    def propose(self, state, max_tokens):
+        return self.propose_batch([self], [state], [max_tokens])[0]
+
+    @staticmethod
+    def propose_batch(proposers, states, max_tokens):
+        trees = type(proposers[0].inner).propose_batch([p.inner for p in proposers], states, max_tokens)
+        for p, state, n, tree in zip(proposers, states, max_tokens, trees):
+            p.log.append((state.tokens.clone(), n, tree))
+        return trees
+
+    def update(self, num_accepted, num_proposed):
+        self.inner.update(num_accepted, num_proposed)
+
+
+@pytest.mark.parametrize("kind", ["eagle-chain", "eagle-tree", "dflash", "medusa"])
+def test_speculation_off_costs_a_plain_step_and_resumes_with_the_whole_context(kind, target64, prompts):
+    """Rounds above spec_off_above ask the target for no hidden states and hand the proposers
+    none; when speculation resumes, the positions consumed meanwhile are run once more for their
+    states (one extra forward), so every draft equals the draft of a proposer given the whole
+    context (float64), and the output equals the request's solo output."""
+    inner = make_proposer(kind, target64, None)
+    base = Recorder(randomized(inner) if kind != "medusa" else inner)
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=n)) for i, n in ((0, 6), (3, 10), (2, 30))]
+    calls = []  # (kind of forward, rows, asked for hidden states)
+    hooks = [target64.register_forward_pre_hook(
+                 lambda m, a, k: calls.append(("round" if "position_ids" in k else "prefill", k["input_ids"].shape[0],
+                                               bool(k.get("output_hidden_states")))), with_kwargs=True),
+             target64.model.register_forward_pre_hook(lambda m, a, k: calls.append(("decoder", k["input_ids"].shape[1], None)),
+                                                      with_kwargs=True)]
+    batcher = InflightBatcher(target64, base.fork, draft_len=4, spec_off_above=1, adaptive=False)
+    try:
+        seqs = [batcher.add(request) for request in requests]
+        batcher.step()  # admits all three: rounds of three decode plainly
+        held = {row.seq.id: {layer: h.shape[1] for layer, h in row.unseen.items()} for row in batcher._rows}
+        off_rounds = 1
+        while batcher.active > 1:
+            assert batcher.stats.draft_tokens == 0
+            for row in batcher._rows:  # what prefill handed over waits; nothing is added to it
+                assert {layer: h.shape[1] for layer, h in row.unseen.items()} == held[row.seq.id]
+            batcher.step()
+            off_rounds += 1
+        while batcher.active:
+            batcher.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    rounds = [c for c in calls if c[0] == "round"]
+    assert all(not hidden for _, rows, hidden in rounds if rows > 1)  # no states while off
+    assert all(hidden for _, rows, hidden in rounds if rows == 1)  # ... and again once it speculates
+    # every target forward runs its decoder; one decoder call more: the positions consumed while off, once
+    assert len([c for c in calls if c[0] == "decoder"]) == len([c for c in calls if c[0] != "decoder"]) + 1
+    assert batcher.stats.draft_tokens > 0 and base.log
+    layers = inner.hidden_layers
+    for tokens, n, tree in base.log:  # the module saw every earlier position, in order
+        with torch.no_grad():
+            hidden = target64(tokens[:, :-1], output_hidden_states=True).hidden_states
+        again = inner.fork().propose(TargetState(tokens=tokens, hidden={layer: hidden[layer] for layer in layers}), n)
+        assert (again.tokens.tolist(), again.parents) == (tree.tokens.tolist(), tree.parents)
+    assert [seq.result.token_ids for seq in seqs] == [solo(target64, request, None) for request in requests]
+    assert off_rounds >= 6

@@ -90,3 +90,41 @@ def test_generate_command(tiny_llama_dir, tiny_draft_dir, capsys):
     assert 1 <= metrics["new_tokens"] <= 12 and out.strip()
     assert cli_main(argv + ["--max-new-tokens", "0"]) == 2
     assert "max_new_tokens must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("spec", "typo", "known"), [
+    ({"kind": "ngram", "max_ngrams": 4}, "max_ngrams", "max_ngram"),
+    ({"kind": "ngram", "max_draft_length": 4}, "max_draft_length", "min_ngram"),
+    ({"kind": "draft", "head_row": 64}, "head_row", "head_rows"),
+])
+def test_a_misspelled_spec_key_is_refused_by_name(spec, typo, known, tmp_path, tiny_llama_dir, tiny_draft_dir):
+    spec = {**spec, "max_draft_len": 4, "draft_model_dir": str(tiny_draft_dir) if spec["kind"] == "draft" else None}
+    with pytest.raises(SpecDeployError, match=f"unknown {spec['kind']} option '{typo}'") as err:
+        load_decoder(write_deployment(tmp_path, tiny_llama_dir, spec))
+    assert known in err.value.hint
+
+
+@pytest.mark.parametrize(("kind", "typo", "known"), [("eagle", "budgt", "budget"), ("medusa", "choises", "choices"),
+                                                     ("dflash", "block_sise", "block_size"), ("draft", "stop_bellow", "stop_below")])
+def test_proposer_factories_refuse_unknown_options(kind, typo, known, target):
+    from specdeploy.runtime.proposers import build_proposer
+
+    with pytest.raises(SpecDeployError, match=f"unknown {kind} option '{typo}'") as err:
+        build_proposer(kind, target, **{typo: 1})
+    assert known in err.value.hint
+
+
+def test_generate_refuses_a_sliding_window_model_plainly(tmp_path, tiny_tokenizer_dir, capsys):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, sliding_window=16)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"  # repeats: n-gram drafts at once
+    argv = ["generate", prompt, "--model", str(tmp_path / "mistral"), "--max-new-tokens", "24", "--device", "cpu"]
+    assert cli_main(argv + ["--spec", "ngram"]) == 2
+    err = capsys.readouterr().err
+    assert "sliding-window attention (sliding_window=16, context 256)" in err and "--spec none" in err
+    assert cli_main(argv + ["--spec", "none"]) == 0  # plain decoding stays possible

@@ -3,10 +3,11 @@ load curve, and `--draft-shape auto` on generate and bench."""
 
 from __future__ import annotations
 
-import time
+from collections import Counter
 
 import pytest
 
+from specdeploy import bench as bench_module
 from specdeploy.bench import Bench, run_bench
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
@@ -16,12 +17,58 @@ from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.planner import (Calibration, ShapeStats, calibrate, chain_reach, choose_draft_shape, measure_load_curve,
                                         plan, suggested_spec_off_above, tree_acceptance)
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.types import DraftShape, Proposer, SamplingParams
+from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingParams
 from tests.test_runtime_helpers import PROMPTS, draft, one_thread, target, tokenizer  # noqa: F401
 
 
 def chain(k: int) -> DraftShape:
     return DraftShape("chain", k)
+
+
+class Clock:
+    """The planner's time.perf_counter, faked: it moves by `tick` per read and by what a `Paced`
+    draft adds, so what the planner times does not depend on the host's speed or load."""
+
+    def __init__(self, tick: float = 0.0) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class Paced(Proposer):
+    """Wraps a proposer: each draft moves `clock` by `seconds(tree)` (what the round it opens costs);
+    every `empty_every`-th draft is empty. Counts its drafts, empty drafts and verified rounds."""
+
+    def __init__(self, inner: Proposer, clock: Clock, seconds, empty_every: int = 0) -> None:
+        self.inner, self.clock, self.seconds, self.empty_every = inner, clock, seconds, empty_every
+        self.kind, self.hidden_layers = inner.kind, inner.hidden_layers
+        self.calls = self.empties = self.verified = 0
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def fork(self) -> Proposer:
+        return Paced(self.inner.fork(), self.clock, self.seconds, self.empty_every)
+
+    def draft_shapes(self, max_len):
+        return self.inner.draft_shapes(max_len)
+
+    def set_shape(self, shape) -> None:
+        self.inner.set_shape(shape)
+
+    def propose(self, state, max_tokens):
+        self.calls += 1
+        empty = self.empty_every and self.calls % self.empty_every == 0
+        tree = DraftTree.empty(state.tokens.device) if empty else self.inner.propose(state, max_tokens)
+        self.empties += not len(tree)
+        self.clock.now += self.seconds(tree)
+        return tree
+
+    def update(self, num_accepted, num_proposed):
+        self.verified += 1
+        self.inner.update(num_accepted, num_proposed)
 
 
 def stats_for(reach: list[float], round_s: dict[int, float], rounds: int = 100) -> dict[DraftShape, ShapeStats]:
@@ -76,15 +123,22 @@ def test_tree_acceptance_never_falls_with_size():
     assert pooled == {DraftShape("tree", 4): 1.2, **{DraftShape("tree", n): pytest.approx(48 / 30) for n in (6, 8, 10)}}
 
 
-def test_calibration_of_a_perfect_draft_reaches_every_position(target):
-    proposer = build_proposer("draft", target, draft_model=target)  # the target drafting itself
+def test_calibration_of_a_perfect_draft_reaches_every_position(target, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(planner, "time", clock)
+    # the target drafting itself; a round of k drafted tokens costs (10 + k) ms on the planner's clock
+    proposer = Paced(build_proposer("draft", target, draft_model=target), clock, lambda tree: 0.010 + 0.001 * len(tree))
     shapes = proposer.draft_shapes(4)
     assert shapes == [chain(1), chain(2), chain(3), chain(4)]
-    calibration = calibrate(target, proposer, [[5, 17, 33, 90], [100, 101, 102, 7]], shapes, max_new_tokens=40, min_rounds=3)
+    prompts = [[5, 17, 33, 90], [100, 101, 102, 7]]
+    calibration = calibrate(target, proposer, prompts, shapes, max_new_tokens=40, min_rounds=3)
     stats = calibration.shapes
     assert set(stats) == set(shapes)
-    assert all(len(s.round_times) >= 3 and 0 < s.round_s < 1 for s in stats.values())  # the prompts ran again
-    assert len(calibration.step_times) >= 2 and 0 < calibration.step_s < 1  # each prompt decoded plainly too
+    for shape, s in stats.items():  # each round's time went to the shape it drafted; the prompts ran again
+        assert len(s.round_times) >= 3 and s.round_s == pytest.approx(0.010 + 0.001 * shape.size)
+    # each prompt decoded plainly too, once per pass over the prompts
+    assert len(calibration.step_times) % len(prompts) == 0 and len(calibration.step_times) >= len(prompts)
+    assert all(t > 0 for t in calibration.step_times)
     assert chain_reach(stats) == [1.0, 1.0, 1.0, 1.0]  # rounds the answer's end cut count only what they drafted
 
 
@@ -102,6 +156,59 @@ def test_calibration_counts_what_was_accepted(target, draft):
     assert s.rounds <= proposer_rounds and s.drafted[0] == s.rounds
     # neither a request's first round (the prompt's ingest) nor its last (no next draft ends it) is timed
     assert len(s.round_times) <= s.rounds - len(prompts)
+
+
+def test_an_empty_draft_is_a_round_of_its_shape(target, monkeypatch):
+    """An empty draft (n-gram finds no match) is a plain step taken while drafting that shape: it
+    counts as one of the shape's rounds, accepting nothing, and is timed apart from the drafted
+    rounds; the shape's round time weighs both by how often they happened."""
+    clock = Clock()
+    monkeypatch.setattr(planner, "time", clock)
+    # every third draft is empty and its round takes 10 ms; a drafted round 30 ms
+    proposer = Paced(build_proposer("draft", target, draft_model=target), clock,
+                     lambda tree: 0.030 if len(tree) else 0.010, empty_every=3)
+    shapes = [chain(1), chain(2)]
+    stats = calibrate(target, proposer, [[5, 17, 33, 90], [100, 101, 102, 7]], shapes, max_new_tokens=30,
+                      min_rounds=3).shapes
+    assert proposer.empties > 0
+    assert sum(s.rounds for s in stats.values()) == proposer.verified + proposer.empties
+    for s in stats.values():
+        assert s.drafted[0] == s.rounds  # an empty draft drafted the shape's positions and reached none
+        assert s.empty_times and s.empty_times == pytest.approx([0.010] * len(s.empty_times))
+        assert s.round_times and s.round_times == pytest.approx([0.030] * len(s.round_times))
+        empty = len(s.empty_times) / (len(s.empty_times) + len(s.round_times))
+        assert s.round_s == pytest.approx(0.010 * empty + 0.030 * (1 - empty))
+
+
+class NoDraft(Proposer):
+    """Never finds anything to propose (an n-gram lookup on text that never repeats)."""
+
+    def propose(self, state, max_tokens):
+        return DraftTree.empty(state.tokens.device)
+
+
+def test_a_calibration_where_every_draft_is_empty_plans_plain_decoding(target):
+    chosen = choose_draft_shape(target, NoDraft(), [[5, 17, 33, 90], [100, 101, 102, 7]], max_len=3, max_new_tokens=12)
+    assert [e.shape for e in chosen.estimates] == [chain(1), chain(2), chain(3)]  # each shape measured
+    assert all(e.tokens_per_round == 1.0 for e in chosen.estimates)
+    assert chosen.shape is None and chosen.expected_speedup == 1.0
+    assert max(chosen.estimates, key=lambda e: e.tokens_per_s)  # what package serves when none pays
+
+
+def test_a_shape_that_accepted_nothing_never_pays():
+    # a round measured a little faster than the plain step: noise, as it emits one token a round too
+    stats = {chain(1): ShapeStats(rounds=20, accepted=0, round_times=[0.009])}
+    stats[chain(1)].drafted, stats[chain(1)].reached = [20], [0]
+    assert plan(Calibration(stats, [0.010])).shape is None
+
+
+def test_a_calibration_without_plain_steps_is_refused():
+    stats = stats_for([0.9], {1: 0.011})
+    with pytest.raises(SpecDeployError, match="no plain decoding step") as err:
+        plan(Calibration(stats, []))
+    assert "longer answers" in err.value.hint
+    with pytest.raises(SpecDeployError, match="no round of any shape"):
+        plan(Calibration({chain(1): ShapeStats()}, [0.010]))
 
 
 def test_eagle_shapes_and_options(target):
@@ -143,14 +250,23 @@ def test_fixed_trees_cannot_be_planned(target):
 
 def test_bench_rows_take_planned_shapes(target, draft, tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
+    runs = []  # (proposer class, draft_len) of every bench run (the planner's calibration is not one)
+    real = bench_module.generate
+    monkeypatch.setattr(bench_module, "generate", lambda target, ids, params, proposer=None, **kw:
+                        runs.append((type(proposer).__name__, kw["draft_len"])) or real(target, ids, params, proposer, **kw))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     bench = Bench(target, draft, max_new_tokens=12, draft_len=4, tokenizer=tokenizer, draft_shape="auto")
     results = run_bench(bench, prompts, ["ar", "ngram", "draft"], log=lambda _: None)
     assert set(bench.plans) == {"ngram", "draft"}
+    classes = {"ngram": "NgramProposer", "draft": "DraftModelProposer"}
+    expected = Counter({("NoneType", None): 1})  # the ar row
     for kind, chosen in bench.plans.items():
         assert len(chosen["estimates"]) == 4  # chains of 1..draft_len
-        assert chosen["shape"] is None or chosen["shape"]["size"] <= 4
+        shape = chosen["shape"]  # a row runs its planned chain, or plain decoding when none pays
+        expected[("NoneType", None) if shape is None else (classes[kind], shape["size"])] += 1
         assert results["methods"][kind]["same_as_ar"] == 1.0
+    per_row = 1 + len(prompts)  # a warm-up run, then each prompt
+    assert Counter(runs) == Counter({key: n * per_row for key, n in expected.items()})
 
 
 def test_generate_command_draft_shape_auto(tiny_llama_dir, tmp_path, monkeypatch, capsys):
@@ -162,31 +278,11 @@ def test_generate_command_draft_shape_auto(tiny_llama_dir, tmp_path, monkeypatch
     assert "draft shape:" in err and "chain 3:" in err and "over plain decoding" in err
 
 
-class _SlowDraft(Proposer):
-    """A proposer that takes `seconds` per draft: speculation cannot pay."""
-
-    def __init__(self, inner: Proposer, seconds: float) -> None:
-        self.inner, self.seconds, self.kind, self.hidden_layers = inner, seconds, inner.kind, inner.hidden_layers
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def propose(self, state, max_tokens):
-        time.sleep(self.seconds)
-        return self.inner.propose(state, max_tokens)
-
-    def update(self, num_accepted, num_proposed):
-        self.inner.update(num_accepted, num_proposed)
-
-    def fork(self):
-        return _SlowDraft(self.inner.fork(), self.seconds)
-
-
 def batcher_of(target, proposer, draft_len):
     return lambda size: InflightBatcher(target, proposer.fork, draft_len=draft_len, max_batch_size=size, adaptive=False)
 
 
-def test_load_curve_interleaves_speculative_and_plain_rounds(target):
+def test_load_curve_interleaves_speculative_rounds_with_the_plain_twins(target):
     perfect = build_proposer("draft", target, draft_model=target)  # every draft accepted
     points = measure_load_curve(batcher_of(target, perfect, 3), [[5, 17, 33, 90], [100, 101, 102, 7]], [1, 2, 3],
                                 rounds=4, max_draft=3)
@@ -198,24 +294,31 @@ def test_load_curve_interleaves_speculative_and_plain_rounds(target):
         assert p.spec_s > 0 and p.plain_s > 0
 
 
-def test_load_curve_times_rounds_after_a_plain_warmup(target):
-    """Acceptance is highest at an answer's start: the timed rounds come after `warmup` plain ones."""
+def test_load_curve_times_rounds_after_a_plain_warmup(target, monkeypatch):
+    """Acceptance is highest at an answer's start: the timed rounds come after `warmup` plain ones,
+    on the deployment and on its plain twin (no proposer: what a server's AR twin runs) alike."""
     perfect = build_proposer("draft", target, draft_model=target)
-    made = []
+    made, twins = [], []
 
     def make(size):
         made.append(batcher_of(target, perfect, 3)(size))
         return made[-1]
 
+    twin_of = planner._plain_twin
+    monkeypatch.setattr(planner, "_plain_twin", lambda batcher: twins.append(twin_of(batcher)) or twins[-1])
     (point,) = measure_load_curve(make, [[5, 17, 33, 90]], [1], rounds=4, max_draft=3, warmup=6)
-    (batcher,) = made
-    assert batcher.stats.rounds == 1 + 6 + 8  # the admitting round, the warm-up, 4 + 4 timed
-    assert batcher.stats.draft_tokens == 4 * 3  # only the 4 timed speculative rounds drafted
+    (batcher,), (twin,) = made, twins
+    # the admitting round, the warm-up, the round that resumes speculating (untimed), 4 timed
+    assert batcher.stats.rounds == 1 + 6 + 1 + 4 and twin.stats.rounds == 1 + 6 + 4
+    assert batcher.stats.draft_tokens == 5 * 3  # the resuming round and the 4 timed ones drafted
+    assert twin.proposer_factory is None and twin.stats.draft_tokens == 0
     assert (point.plain_tokens, point.spec_tokens) == (4, 16)
 
 
-def test_load_curve_of_a_draft_too_slow_to_pay_turns_speculation_off(target):
-    slow = _SlowDraft(build_proposer("draft", target, draft_model=target), 0.05)
+def test_load_curve_of_a_draft_too_slow_to_pay_turns_speculation_off(target, monkeypatch):
+    clock = Clock(tick=0.001)  # a round without a draft takes 1 ms on the planner's clock, a draft 1 s more
+    monkeypatch.setattr(planner, "time", clock)
+    slow = Paced(build_proposer("draft", target, draft_model=target), clock, lambda tree: 1.0)
     points = measure_load_curve(batcher_of(target, slow, 2), [[5, 17, 33, 90]], [1, 2], rounds=2, max_draft=2)
     assert all(p.speedup < 1 for p in points)
     assert suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points]) == 0

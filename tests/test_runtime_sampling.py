@@ -195,3 +195,11 @@ def test_warp_top_k_top_p():
     torch.testing.assert_close(kept[:3], torch.tensor([0.5, 0.2, 0.15]) / 0.85)
     sharp = warp(logits, SamplingParams(temperature=0.5))
     assert sharp[0] > 0.5 and abs(float(sharp.sum()) - 1) < 1e-6
+
+
+def test_top_k_keeps_exactly_k_tokens_at_a_tie():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    kept = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (kept > 0).sum(dim=-1).tolist() == [2, 2]  # not every token tied at the 2nd logit
+    assert kept[0, 0] > kept[0, 1:].max() and kept[0, 4] == 0
+    torch.testing.assert_close(kept.sum(dim=-1), torch.ones(2))

@@ -77,3 +77,23 @@ def test_decoder_streams_text(target, tokenizer):
     text, result = decoder.generate(PROMPTS[2], SamplingParams(max_new_tokens=25), pieces.append)
     assert "".join(pieces) == text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
     assert result.token_ids == hf_greedy(target, tokenizer(PROMPTS[2])["input_ids"], 25)
+
+
+def test_a_stop_inside_an_accepted_draft_counts_only_what_was_emitted(target, tokenizer):
+    """A round whose accepted draft runs past a stop emits up to the stop; the accepted tokens it
+    drops after it are never emitted, so they are not counted as accepted."""
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    ref = hf_greedy(target, ids, 30)
+    # a perfect chain of 4 emits ref[0] from prefill, then ref[1:6], ref[6:11], ... (4 drafts + 1 each):
+    # stop on a draft token with more accepted drafts after it in its round
+    stop_at = next(i for i in range(6, 30) if (i - 1) % 5 < 3 and ref[i] not in ref[:i])
+    rounds, drafts_emitted = (stop_at - 1) // 5 + 1, (stop_at - 1) % 5 + 1
+    groups: list[list[int]] = []
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=(ref[stop_at],))
+    result = generate(target, ids, params, build_proposer("draft", target, draft_model=target), draft_len=4,
+                      on_tokens=groups.append, adaptive=False)
+    assert result.token_ids == ref[: stop_at + 1] and result.finish_reason == "stop"
+    assert [len(g) for g in groups] == [1] + [5] * (rounds - 1) + [drafts_emitted]  # every draft accepted
+    metrics = result.metrics
+    assert metrics.target_forwards == rounds and metrics.draft_tokens == 4 * rounds
+    assert metrics.accepted_draft_tokens == 4 * (rounds - 1) + drafts_emitted

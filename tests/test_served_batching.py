@@ -267,10 +267,14 @@ def long_request_s(long_run) -> float:
 
 
 def test_package_writes_the_batching_parameters(build_root):
-    config = (build_root / "triton_repo" / "cpu" / "tensorrt_llm" / "config.pbtxt").read_text()
-    assert f'key: "specdeploy_max_batch_size" value: {{ string_value: "{package.CPU_MAX_BATCH_SIZE}" }}' in config
-    assert f'key: "specdeploy_max_queue" value: {{ string_value: "{package.CPU_MAX_QUEUE}" }}' in config
-    assert "max_queue_delay_microseconds: 0" in config
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    text = (build_root / "triton_repo" / "cpu" / "tensorrt_llm" / "config.pbtxt").read_text()
+    config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert config.parameters["specdeploy_max_batch_size"].string_value == str(package.CPU_MAX_BATCH_SIZE)
+    assert config.parameters["specdeploy_max_queue"].string_value == str(package.CPU_MAX_QUEUE)
+    assert config.HasField("dynamic_batching") and config.dynamic_batching.max_queue_delay_microseconds == 0
 
 
 def test_concurrent_requests_are_batched_and_answer_as_alone(server, prompt_ids):

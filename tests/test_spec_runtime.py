@@ -336,3 +336,36 @@ def test_dynamic_early_exit_keeps_the_same_tree(target, budget):
             reference = _exhaustive_dynamic(proposer, logp, h, pos, budget)
         assert [(nodes[i].draft_id, nodes[i].depth) for i in keep] == reference
     assert calls < (proposer.depth - 1) * len(recorder.rounds)  # some rounds stopped early
+
+
+def _validate_args(*flags: str):
+    import argparse
+
+    from specdeploy.spec import commands
+
+    parser = argparse.ArgumentParser()
+    commands.add_arguments(parser)
+    return parser.parse_args(["validate", *flags])
+
+
+@pytest.mark.parametrize(("kind", "flags", "named"), [
+    ("medusa", ["--tree", "chain"], "--tree"),
+    ("medusa", ["--width", "2", "--topk", "2"], "--topk, --width"),
+    ("dflash", ["--depth", "3", "--budget", "6"], "--depth, --budget"),
+    ("dflash", ["--choices", "[[0], [1]]"], "--choices"),
+])
+def test_spec_validate_refuses_tree_options_its_module_does_not_take(kind, flags, named):
+    from specdeploy.spec.commands import _proposer_options
+
+    with pytest.raises(SpecDeployError, match=f"{named} .*not .*{kind}") as err:
+        _proposer_options(_validate_args(*flags), kind)
+    assert "--draft-len" in err.value.hint
+
+
+def test_spec_validate_passes_the_eagle_options_given():
+    from specdeploy.spec.commands import _proposer_options
+
+    assert _proposer_options(_validate_args("--tree", "chain", "--draft-len", "3"), "eagle") == {"mode": "chain", "chain_len": 3}
+    assert _proposer_options(_validate_args("--depth", "4", "--budget", "8"), "eagle") == {"depth": 4, "budget": 8}
+    assert _proposer_options(_validate_args("--choices", "[[0], [1]]"), "medusa") == {"choices": [[0], [1]]}
+    assert _proposer_options(_validate_args("--draft-len", "2"), "dflash") == {}  # a chain cap: the runtime's

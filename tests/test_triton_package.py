@@ -185,8 +185,12 @@ def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make
         engine = load_repo(out / "engine")
         check_ensemble_wiring(engine)
         # the CPU model answers under the same name with the same inputs/outputs as the engine's
-        assert tensors(cpu["tensorrt_llm"]) == tensors(engine["tensorrt_llm"])
-        assert tensors(cpu["ensemble"]) == tensors(engine["ensemble"])
+        # (plus, on the CPU side only, the runtime's own counters: NVIDIA's backend never sends them)
+        for model in ("tensorrt_llm", "ensemble"):
+            cpu_in, cpu_out = tensors(cpu[model])
+            assert (cpu_in, [t for t in cpu_out if t[0] not in package.CPU_COUNTERS]) == tensors(engine[model])
+            assert [t[0] for t in cpu_out if t[0] in package.CPU_COUNTERS] == list(package.CPU_COUNTERS)
+            assert not {t[0] for t in tensors(engine[model])[1]} & set(package.CPU_COUNTERS)
         assert engine["tensorrt_llm"].backend == "tensorrtllm"
     if "llmapi" in ROUTES[spec]:
         assert not (out / "llmapi" / "tensorrt_llm" / "config.pbtxt").exists()  # the release's own, from its container
@@ -416,13 +420,10 @@ def test_dflash_drafts_the_block_the_gpu_config_names(tmp_path, tiny_llama_dir):
         package.run(build, spec="dflash", max_draft_len=2)
 
 
-@pytest.mark.parametrize("device, kind", [("cpu", "kind: KIND_CPU"), ("auto", "kind: KIND_CPU"),
-                                          ("cuda", "kind: KIND_GPU }"), ("cuda:1", "kind: KIND_GPU gpus: [ 1 ]")])
-def test_device_is_recorded_as_given_and_picks_the_instance_kind(make, device, kind):
+@pytest.mark.parametrize("device", ["cpu", "auto", "cuda", "cuda:1"])
+def test_device_is_recorded_as_given_and_picks_the_instance_kind(make, device):
     out = package.run(make("none"), spec="none", device=device)
     assert deployment(out)["device"] == device  # "auto" resolves where the model loads, not here
-    text = (out / "cpu" / "tensorrt_llm" / "config.pbtxt").read_text()
-    assert kind in text
     group = parse_config(out / "cpu" / "tensorrt_llm" / "config.pbtxt").instance_group[0]
     assert group.kind == (mc.ModelInstanceGroup.KIND_GPU if device.startswith("cuda") else mc.ModelInstanceGroup.KIND_CPU)
     assert list(group.gpus) == ([1] if device == "cuda:1" else [])

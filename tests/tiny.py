@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CORPUS = [
@@ -18,18 +18,29 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(out: Path, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+# Llama 2/3's shape: the chat template writes the BOS itself, and so does encoding with special tokens
+BOS_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer(out: Path, vocab_size: int = 384, *, adds_bos: bool = False) -> PreTrainedTokenizerFast:
+    """`adds_bos`: a Llama-like tokenizer: a BOS ("<s>") before every text encoded with special
+    tokens, and a chat template that starts with it."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<s>"] if adds_bos else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
+    bos, extra = "<|im_start|>", {}
+    if adds_bos:
+        bos, extra = "<s>", {"chat_template": BOS_CHAT_TEMPLATE}
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token=bos, pad_token="<|endoftext|>", **extra
     )
     fast.save_pretrained(out)
     return fast

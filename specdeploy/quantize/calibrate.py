@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specdeploy.errors import SpecDeployError
+from specdeploy.prompts import conversation_ids
 from specdeploy.quantize.config import check_block_size, quant_config
 from specdeploy.runtime.types import model_device
 
@@ -22,17 +23,9 @@ def calibration_batches(tokenizer: Any, calib_size: int, seq_len: int, seed: int
         raise SpecDeployError(f"calibration needs calib_size > 0 and calib_seq_len >= 8 (got {calib_size}, {seq_len})")
     batches = []
     for messages in sharegpt_conversations(calib_size, split="train", seed=seed):
-        ids = _encode_chat(tokenizer, messages[:2])[:seq_len]
+        ids = conversation_ids(tokenizer, messages[:2])[:seq_len]
         batches.append(torch.tensor([ids], dtype=torch.long))
     return batches
-
-
-def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    else:
-        text = "\n\n".join(m["content"] for m in messages)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def forward_loop(batches: list[torch.Tensor], desc: str) -> Callable[[nn.Module], None]:

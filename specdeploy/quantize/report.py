@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specdeploy.prompts import chat_ids
 from specdeploy.quantize.export import load_base
 from specdeploy.quantize.formats import FP4_ALGOS
 from specdeploy.quantize.loader import load_quantized, read_quant_config
@@ -19,14 +20,6 @@ from specdeploy.quantize.placement import Placement
 from specdeploy.runtime.types import acceptance_length, model_device
 
 CPU = Placement(torch.device("cpu"))
-
-
-def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """A user prompt as the model is served it: in the chat template when there is one."""
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def report_prompts(tokenizer: Any, prompts: int, seed: int = 0) -> list[list[int]]:

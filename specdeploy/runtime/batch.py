@@ -13,7 +13,15 @@ stay in the cache but are masked out forever. Keys carry their rotary position, 
 columns need be neither contiguous nor in order; only the mask and the explicit position ids
 (each row's true positions) matter. When at least half of the columns would go, every row's
 valid columns are gathered to the front (compaction). A leaving row is dropped from the batch
-dimension at once, so its memory goes with it.
+dimension at once, so its memory goes with it. A row's valid columns are in its positions' order
+all the same (its i-th valid column, counting from 0, holds position i): that is how the columns
+before a position are found.
+
+A round that does not speculate (more rows than `spec_off_above`) costs what a plain deployment's
+step costs: it asks the target for no hidden states and hands the proposers nothing. When
+speculation resumes, the positions consumed meanwhile are run through the target once more, in one
+batched forward whose cache columns are dropped after (`_catch_up`), so each proposer's context is
+whole again before it drafts.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from specdeploy.runtime.decoding import (
     prefill,
     prune,
 )
-from specdeploy.runtime.kv_cache import cache_layers
+from specdeploy.runtime.kv_cache import cache_layers, crop
 from specdeploy.runtime.sampling import make_generator, next_token
 from specdeploy.runtime.types import (
     DraftTree,
@@ -87,7 +95,8 @@ class Sequence:
 class BatchStats:
     """Cumulative over the batcher's life. Positions count per sequence-round verification:
     drafted_at_position[i] = verifications whose draft reached depth i + 1, accepted_at_position[i]
-    = those that accepted at least i + 1 draft tokens (vLLM's per-position acceptance)."""
+    = those that accepted at least i + 1 draft tokens (vLLM's per-position acceptance). Accepted
+    tokens are those emitted: a stop inside an accepted path drops the rest of it."""
 
     rounds: int = 0  # batched target forwards (prefills not counted)
     draft_tokens: int = 0
@@ -130,19 +139,25 @@ class _Row:
         self.pending = -1  # the emitted token not yet run through the target
         self.consumed = prompt.shape[1]  # tokens in the cache: the pending token's position
         self.unseen: Hidden = {}  # target states the proposer has not read yet
+        # positions whose target states the proposer has read or holds in `unseen` (prefill's on joining)
+        self.captured = prompt.shape[1]
         self.start = 0.0
 
-    def state(self) -> TargetState:
-        tokens = torch.cat([self.prompt, torch.tensor([self.output.tokens], device=self.prompt.device)], dim=1)
-        return TargetState(tokens=tokens, hidden=self.unseen, params=self.params, generator=self.generator)
+    def tokens(self) -> torch.Tensor:
+        """The sequence so far (1, consumed + 1): prompt, emitted tokens, the pending one last."""
+        return torch.cat([self.prompt, torch.tensor([self.output.tokens], device=self.prompt.device)], dim=1)
 
-    def emit(self, group: list[int]) -> bool:
-        """Emit an accepted group (on_tokens may raise); True when the sequence is finished."""
+    def state(self) -> TargetState:
+        return TargetState(tokens=self.tokens(), hidden=self.unseen, params=self.params, generator=self.generator)
+
+    def emit(self, taken: list[int]) -> bool:
+        """Stream the tokens `output.take` took (on_tokens may raise); True when the sequence is finished."""
         now = time.time_ns()
         self.seq.first_token_ns = self.seq.first_token_ns or now
         self.seq.last_token_ns = now
-        self.pending = group[-1]
-        return self.output.extend(group)
+        self.pending = taken[-1]
+        self.output.send(taken)
+        return self.output.done
 
     def see(self, hidden: Hidden) -> None:
         """A proposer sees the states of every token consumed since it last proposed."""
@@ -261,7 +276,7 @@ class InflightBatcher:
             cache = DynamicCache(config=self.target.config)
             logits, row.unseen = prefill(self.target, row.prompt, cache, row.hidden_layers)
             row.metrics.time_to_first_token_s = time.perf_counter() - row.start
-            if row.emit([next_token(logits, row.params, row.generator)]):
+            if row.emit(row.output.take([next_token(logits, row.params, row.generator)])):
                 self._finish(row)
                 return
         except Exception as err:  # this request's failure (its on_tokens, say): the batch goes on
@@ -318,21 +333,72 @@ class InflightBatcher:
     # ------------------------------------------------------------------ one round
     def _round(self) -> None:
         rows = self._rows
-        speculate = self.spec_off_above is None or len(rows) <= self.spec_off_above
-        start = time.perf_counter()
+        speculate = self._speculates(rows)
+        try:
+            if speculate:
+                self._catch_up(rows)
+        except Exception as err:
+            self._fail(rows, err)
+            return
+        start = time.perf_counter()  # after the catch-up: a resumption's one-off is no round's cost
         trees = self._draft(rows, speculate)
         try:
             logits, hidden = self._verify(rows, trees)
-        except Exception as err:  # the batch forward failed: the cache is no longer whole
-            for row in rows:
-                if not row.seq.done:
-                    self._finish(row, "cancelled", err)
+        except Exception as err:
+            self._fail(rows, err)
             return
         self.stats.rounds += 1
         seconds = time.perf_counter() - start
         kept = [self._advance(i, row, tree, logits, hidden, seconds if speculate else None)
                 for i, (row, tree) in enumerate(zip(rows, trees))]
         self._valid = torch.cat([self._valid, torch.tensor(kept, dtype=torch.bool, device=self.device)], dim=1)
+
+    def _speculates(self, rows: list[_Row]) -> bool:
+        return self.spec_off_above is None or len(rows) <= self.spec_off_above
+
+    def _fail(self, rows: list[_Row], err: Exception) -> None:
+        """A batch forward failed: the cache is no longer whole, so every row ends with the error."""
+        for row in rows:
+            if not row.seq.done:
+                self._finish(row, "cancelled", err)
+
+    def _catch_up(self, rows: list[_Row]) -> None:
+        """Hand each proposer the target states of the positions consumed while speculation was
+        off: they run through the target once more, all rows in one forward over the batch cache,
+        each query seeing its row's cached positions before its own (which hold exactly what the
+        first run saw) and itself; the columns this appends are dropped again."""
+        behind = [row.consumed - row.captured if row.hidden_layers else 0 for row in rows]
+        if not any(behind):
+            return
+        width, columns = max(behind), self._valid.shape[1]
+        ids, positions = [], []
+        for row, n in zip(rows, behind):
+            ids.append(row.tokens()[0, row.captured: row.consumed].tolist() + [row.pending] * (width - n))
+            positions.append(list(range(row.captured, row.consumed)) + [row.consumed] * (width - n))
+        position = torch.tensor(positions, dtype=torch.long, device=self.device)
+        # a row's valid column of rank k (its k-th, counting from 1) holds position k - 1: position p sees ranks <= p
+        rank = self._valid.cumsum(dim=1)
+        past = self._valid[:, None, :] & (rank[:, None, :] <= position[:, :, None])
+        itself = torch.eye(width, dtype=torch.bool, device=self.device).expand(len(rows), -1, -1)
+        out = self.target.get_decoder()(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            position_ids=position,
+            attention_mask=self._mask(torch.cat([past, itself], dim=2)),
+            past_key_values=self._cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        crop(self._cache, columns)
+        for i, (row, n) in enumerate(zip(rows, behind)):
+            if n:
+                row.see({layer: out.hidden_states[layer][i : i + 1, :n] for layer in row.hidden_layers})
+                row.captured = row.consumed
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """An additive attention mask (rows, 1, queries, columns) from a boolean one."""
+        dtype = self.target.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[:, None]
 
     def _draft(self, rows: list[_Row], speculate: bool) -> list[DraftTree]:
         """This round's draft for each row (empty: a plain step), proposed together where the
@@ -361,7 +427,7 @@ class InflightBatcher:
 
     def _verify(self, rows: list[_Row], trees: list[DraftTree]) -> tuple[torch.Tensor, Hidden]:
         """One target forward over every row's [pending] + draft, padded to the longest: logits
-        (rows, width, vocab) and the hidden states the proposers asked for."""
+        (rows, width, vocab) and, in a round that speculates, the hidden states the proposers asked for."""
         width = 1 + max(len(tree) for tree in trees)
         ids, positions, blocks = [], [], []
         for row, tree in zip(rows, trees):
@@ -372,13 +438,11 @@ class InflightBatcher:
         # padding queries see only themselves; no real query ever sees a padding column
         new = torch.stack(blocks) | torch.eye(width, dtype=torch.bool, device=self.device)
         allowed = torch.cat([self._valid[:, None, :].expand(-1, width, -1), new], dim=2)
-        dtype = self.target.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        layers = sorted({layer for row in rows for layer in row.hidden_layers})
+        layers = sorted({layer for row in rows for layer in row.hidden_layers}) if self._speculates(rows) else []
         out = self.target(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             position_ids=torch.tensor(positions, dtype=torch.long, device=self.device),
-            attention_mask=mask[:, None],
+            attention_mask=self._mask(allowed),
             past_key_values=self._cache,
             use_cache=True,
             output_hidden_states=bool(layers),
@@ -399,19 +463,22 @@ class InflightBatcher:
         else:
             group, path = [next_token(logits[i, 0], row.params, row.generator)], []
         columns = [0] + [node + 1 for node in path]
-        if row.hidden_layers:
+        if row.hidden_layers and hidden:  # a round that speculates hands the proposer its states
             index = torch.tensor(columns, dtype=torch.long, device=self.device)
             row.see({layer: hidden[layer][i : i + 1].index_select(1, index.to(hidden[layer].device))
                      for layer in row.hidden_layers})
+            row.captured = row.consumed + len(columns)
         if seconds is not None:
             row.controller.record(len(path), len(tree), seconds)
-        self.stats.record(max(tree.depths(), default=0), len(path), len(tree))
+        taken = row.output.take(group)
+        emitted = min(len(path), len(taken))  # a stop inside the path: its tail is never emitted
+        self.stats.record(max(tree.depths(), default=0), emitted, len(tree))
         row.metrics.target_forwards += 1
         row.metrics.draft_tokens += len(tree)
-        row.metrics.accepted_draft_tokens += len(path)
+        row.metrics.accepted_draft_tokens += emitted
         row.consumed += len(columns)
         try:
-            if row.emit(group):
+            if row.emit(taken):
                 self._finish(row)
         except Exception as err:  # its on_tokens raised: only this sequence ends
             self._finish(row, "cancelled", err)

@@ -143,8 +143,13 @@ class _Output:
         tail = self.decode(self.tokens[-self.window :])
         return any(s in tail for s in self.stop_strings)
 
-    def extend(self, group: list[int]) -> bool:
-        """Emit `group` up to the first stop; True when generation is finished."""
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def take(self, group: list[int]) -> list[int]:
+        """Append `group` up to its first stop (which ends generation); the tokens taken. A round's
+        counters are updated between `take` and `send`: what on_tokens reports includes its group."""
         taken: list[int] = []
         for token in group:
             taken.append(token)
@@ -155,9 +160,17 @@ class _Output:
                 self.finish_reason = "length"
             if self.finish_reason:
                 break
+        return taken
+
+    def send(self, taken: list[int]) -> None:
+        """Stream the tokens `take` returned."""
         if self.on_tokens and taken:
             self.on_tokens(taken)
-        return self.finish_reason is not None
+
+    def extend(self, group: list[int]) -> bool:
+        """Emit `group` up to the first stop; True when generation is finished."""
+        self.send(self.take(group))
+        return self.done
 
 
 def _prompt_tensor(prompt_ids: torch.Tensor | list[int], context_length: int, device: torch.device) -> torch.Tensor:
@@ -253,11 +266,14 @@ def generate(
             # a proposer sees the states of every token consumed since it last proposed
             unseen = {layer: torch.cat([unseen[layer], h], dim=1) if layer in unseen else h for layer, h in hidden.items()}
             controller.record(accepted, len(tree), time.perf_counter() - round_start)
+            taken = output.take(group)
             metrics.target_forwards += 1
             metrics.draft_tokens += len(tree)
-            metrics.accepted_draft_tokens += accepted
+            # a stop inside the accepted path ends the answer there: the path's tail is never emitted
+            metrics.accepted_draft_tokens += min(accepted, len(taken))
             pending = group[-1]
-            done = output.extend(group)
+            output.send(taken)
+            done = output.done
     metrics.elapsed_s = time.perf_counter() - start
     metrics.new_tokens = len(output.tokens)
     return GenerationResult(token_ids=output.tokens, finish_reason=output.finish_reason or "length", metrics=metrics)

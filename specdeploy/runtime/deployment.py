@@ -154,8 +154,10 @@ class Decoder:
         return text, result
 
 
-# how a draft model drafts (proposers/draft.py): deployment.json spec keys passed through
+# how a draft model drafts (proposers/draft.py): the options bench's --draft-option takes
 DRAFT_OPTIONS = ("head_rows", "stop_below", "draft_quant")
+# spec keys the Decoder reads itself; every other one (null: the default) is an option of the proposer
+DECODER_KEYS = ("kind", "path", "adaptive")
 
 
 def _local_path(base: Path, value: str) -> Path:
@@ -164,24 +166,24 @@ def _local_path(base: Path, value: str) -> Path:
 
 
 def make_proposer(spec: dict[str, Any], target: Any, tokenizer: Any, base: Path = Path(".")) -> Proposer | None:
-    """The proposer a deployment spec asks for (None for kind "none"); paths relative to `base`."""
+    """The proposer a deployment spec asks for (None for kind "none"); paths relative to `base`.
+    Every spec key but the Decoder's own goes to the proposer's factory, which refuses one it
+    does not take (a misspelled key)."""
     kind = spec.get("kind") or "none"
     if kind == "none":
         return None
+    check_no_sliding_window(target.config)
+    options = {key: value for key, value in spec.items() if key not in DECODER_KEYS and value is not None}
     if kind == "draft":
         if not spec.get("draft_model_dir"):
             raise SpecDeployError("spec kind 'draft' needs spec.draft_model_dir", hint="re-run the package stage")
-        draft_dir = _local_path(base, spec["draft_model_dir"])
-        options = {key: spec[key] for key in DRAFT_OPTIONS if spec.get(key) is not None}
-        return build_proposer("draft", target, draft_model_dir=str(draft_dir), tokenizer=tokenizer, **options)
-    if kind == "ngram":
-        options = {key: spec[key] for key in ("max_ngram", "min_ngram") if key in spec}
-        return build_proposer("ngram", target, **options)
-    if not spec.get("path"):
-        raise SpecDeployError(f"spec kind {kind!r} needs spec.path (the trained module)", hint="re-run the package stage")
-    # the module folder, and the rest of the spec (choices, max_draft_len, mode...) as options
-    options = {key: value for key, value in spec.items() if key not in ("kind", "path", "adaptive") and value is not None}
-    return build_proposer(kind, target, spec_dir=str(_local_path(base, spec["path"])), **options)
+        options.update(draft_model_dir=str(_local_path(base, spec["draft_model_dir"])), tokenizer=tokenizer)
+    elif kind != "ngram":
+        if not spec.get("path"):
+            raise SpecDeployError(f"spec kind {kind!r} needs spec.path (the trained module)",
+                                  hint="re-run the package stage")
+        options["spec_dir"] = str(_local_path(base, spec["path"]))
+    return build_proposer(kind, target, **options)
 
 
 def deployment_device(config: dict[str, Any], path: Path, override: str | torch.device | None = None) -> torch.device:
@@ -198,7 +200,7 @@ def deployment_device(config: dict[str, Any], path: Path, override: str | torch.
     return resolve_device(str(spec))
 
 
-def check_no_sliding_window(config: Any, path: Path) -> None:
+def check_no_sliding_window(config: Any) -> None:
     """Speculative verification feeds several tokens per step through a KV cache the runtime
     trims and extends itself; a sliding-window attention cache breaks that, so refuse at load
     instead of failing at the first speculative round."""
@@ -206,8 +208,8 @@ def check_no_sliding_window(config: Any, path: Path) -> None:
     context = getattr(config, "max_position_embeddings", None) or 0
     if window and getattr(config, "use_sliding_window", True) and (not context or window < context):
         raise SpecDeployError(
-            f"{path}: the model uses sliding-window attention (sliding_window={window}, context {context}), "
-            "which specdeploy's speculative runtime does not support",
+            f"{config.name_or_path or 'the model'} uses sliding-window attention (sliding_window={window}, "
+            f"context {context}), which specdeploy's speculative runtime does not support",
             hint="package it with --spec none (plain decoding), or serve it with TensorRT-LLM on a GPU host",
         )
 
@@ -246,8 +248,6 @@ def load_decoder(path: str | Path, device: str | torch.device | None = None, dty
               "and far slower on a GPU (`package --dtype bfloat16`, `engine --serve-dtype bfloat16`)", file=sys.stderr)
     target, tokenizer = load_model(_local_path(path.parent, config["model_dir"]), dtype, where)
     spec = config.get("spec") or {}
-    if (spec.get("kind") or "none") != "none":
-        check_no_sliding_window(target.config, path)
     return Decoder(
         target,
         tokenizer,

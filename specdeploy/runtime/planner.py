@@ -8,18 +8,21 @@ forward over n + 1 tokens and emits 1 + accepted tokens, so
 against plain decoding's 1 / step_s. Both come from one greedy calibration on held-out prompts:
 - each prompt is generated twice, once with the rounds drafting the shapes in turn and once
   plainly, so every shape's rounds and the plain steps are timed side by side (a shared machine's
-  slow minute slows them all alike); round_s is the median time from one round's draft to the
-  next round's (the draft, the verify, the acceptance), step_s the plain steps' median;
+  slow minute slows them all alike); a round lasts from its draft to the next round's (the draft,
+  the verify, the acceptance), and round_s is a shape's expected round: a draft that comes back
+  empty (n-gram finds no match) makes a plain step, so drafted and empty rounds are timed apart
+  and their medians weighed by how often each came; step_s is the plain steps' median;
 - E[accepted]: a chain's first i tokens do not depend on its length, so the reach of position i,
   P(accepted >= i), pools every round of a chain of >= i tokens; a larger dynamic tree keeps the
   smaller one's nodes, so tree acceptance is made non-decreasing in size by pooling neighbours
-  that measured otherwise (few rounds each: noise).
+  that measured otherwise (few rounds each: noise). An empty draft is a round that accepted nothing.
 
 Under load the balance moves: an in-flight batch verifies every row in one forward, whose cost
 grows slowly with the batch, while most proposers draft row by row (EAGLE drafts the batch
 together, at a cost that still grows with it). `measure_load_curve` runs batches of 1..n
-requests with speculative and plain rounds interleaved on the same sequences, and `spec_off_above`
-is the largest batch up to which speculating paid (Arctic's disable_by_batch_size).
+requests on the deployment and on its plain twin (the AR twin a server is compared with), their
+rounds interleaved, and `spec_off_above` is the largest batch up to which speculating paid
+(Arctic's disable_by_batch_size).
 """
 
 from __future__ import annotations
@@ -67,16 +70,21 @@ def _median(times: list[float]) -> float:
 
 @dataclass
 class ShapeStats:
-    rounds: int = 0
+    rounds: int = 0  # empty drafts included
     accepted: int = 0
     round_times: list[float] = field(default_factory=list)  # seconds of each timed round, draft to next draft
+    empty_times: list[float] = field(default_factory=list)  # the same for rounds whose draft came back empty
     # chains: reached[i] / drafted[i] = P(accepted >= i + 1), over rounds of shapes >= i + 1
     reached: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
 
     @property
     def round_s(self) -> float:
-        return _median(self.round_times)
+        """The expected round: drafted and empty rounds, each by its median, weighed by their counts."""
+        timed = len(self.round_times) + len(self.empty_times)
+        if not timed:
+            return float("inf")
+        return sum(len(times) * _median(times) for times in (self.round_times, self.empty_times) if times) / timed
 
 
 @dataclass
@@ -93,7 +101,8 @@ class _Rotation(Proposer):
     """Drafts the next shape in turn each round and records what each shape accepted and how long
     its round took (until the next round's draft begins). A request's first round is not timed:
     it also ingests the whole prompt (a draft model's prefill, EAGLE's and DFlash's first
-    context); nor is its last (no next draft ends it)."""
+    context); nor is its last (no next draft ends it). An empty draft is verified by no one (the
+    round is a plain step), so it is counted here, as a round of its shape that accepted nothing."""
 
     kind = "tree"  # the verifier passes the whole budget; the shape decides what is drafted
 
@@ -104,6 +113,7 @@ class _Rotation(Proposer):
         self.turn = 0
         self.current = shapes[0]
         self.open: float | None = None  # when the current round's draft began (None: untimed)
+        self.times: list[float] = []  # where the current round's time goes: its shape's drafted or empty rounds
         self.first = True
         self.returned = 0  # tokens the proposer drafted this round, before the verifier's cut
 
@@ -115,7 +125,7 @@ class _Rotation(Proposer):
         _synchronize(state.tokens.device)
         now = time.perf_counter()
         if self.open is not None:
-            self.stats[self.current].round_times.append(now - self.open)
+            self.times.append(now - self.open)
         self.current = self.shapes[self.turn % len(self.shapes)]
         self.turn += 1
         self.open = None if self.first else now
@@ -123,25 +133,32 @@ class _Rotation(Proposer):
         self.inner.set_shape(self.current)
         tree = self.inner.propose(state, self.current.size)
         self.returned = len(tree)
+        stats = self.stats[self.current]
+        self.times = stats.round_times if len(tree) else stats.empty_times
+        if not len(tree):
+            self._count(0, 0)
         return tree
 
     def update(self, num_accepted: int, num_proposed: int) -> None:
         self.inner.update(num_accepted, num_proposed)
+        self._count(num_accepted, num_proposed)
+
+    def _count(self, accepted: int, proposed: int) -> None:
         stats = self.stats[self.current]
         stats.rounds += 1
-        stats.accepted += num_accepted
+        stats.accepted += accepted
         if self.current.mode == "chain":
-            # over the positions the shape asks for: a draft that stops early (a confidence stop)
-            # reaches fewer of them, and that is what drafting this shape yields; a draft the
-            # verifier cut (the answer's end was near) says nothing about the positions cut
+            # over the positions the shape asks for: a draft that stops early (a confidence stop, or
+            # nothing found) reaches fewer of them, and that is what drafting this shape yields; a
+            # draft the verifier cut (the answer's end was near) says nothing about the positions cut
             stats.drafted = stats.drafted or [0] * self.current.size
             stats.reached = stats.reached or [0] * self.current.size
-            for i in range(self.current.size if num_proposed == self.returned else num_proposed):
+            for i in range(self.current.size if proposed == self.returned else proposed):
                 stats.drafted[i] += 1
-                stats.reached[i] += int(num_accepted > i)
+                stats.reached[i] += int(accepted > i)
 
     def short_of(self, min_rounds: int) -> bool:
-        return any(len(s.round_times) < min_rounds for s in self.stats.values())
+        return any(len(s.round_times) + len(s.empty_times) < min_rounds for s in self.stats.values())
 
 
 def calibrate(
@@ -233,18 +250,28 @@ class Plan:
 
 def plan(calibration: Calibration) -> Plan:
     """The shape for a calibration's acceptance and round times: of those expected faster than
-    plain decoding and within SHAPE_MARGIN of the fastest, the one with the cheapest round."""
+    plain decoding and within SHAPE_MARGIN of the fastest, the one with the cheapest round. A shape
+    that accepted nothing emits a token a round, as a plain step does, at a round's cost: it never
+    pays (a round measured faster than a plain step is noise)."""
+    hint = "calibrate on prompts with longer answers, or draft a fixed shape (--draft-shape fixed)"
+    if not calibration.step_times:
+        raise SpecDeployError("the calibration timed no plain decoding step: every plain answer ended at its first token",
+                              hint=hint)
     stats = calibration.shapes
     reach = chain_reach(stats)
     trees = tree_acceptance(stats)
     estimates = []
     for shape, s in sorted(stats.items(), key=lambda item: (item[0].mode, item[0].size)):
-        if not s.round_times or s.rounds == 0 or (shape.mode == "chain" and shape.size > len(reach)):
+        timed = s.round_times or s.empty_times
+        if not timed or s.rounds == 0 or (shape.mode == "chain" and shape.size > len(reach)):
             continue
         accepted = sum(reach[: shape.size]) if shape.mode == "chain" else trees[shape]
         estimates.append(ShapeEstimate(shape, 1.0 + accepted, s.round_s))
+    if not estimates:
+        raise SpecDeployError("the calibration timed no round of any shape: every answer ended within two rounds",
+                              hint=hint)
     ar = 1.0 / calibration.step_s
-    paying = [e for e in estimates if e.tokens_per_s > ar]
+    paying = [e for e in estimates if e.tokens_per_round > 1.0 and e.tokens_per_s > ar]
     fastest = max((e.tokens_per_s for e in paying), default=0.0)
     near = [e for e in paying if e.tokens_per_s >= (1 - SHAPE_MARGIN) * fastest]
     chosen = min(near, key=lambda e: e.round_s, default=None)
@@ -276,11 +303,11 @@ def calibration_prompts(tokenizer: Any, n: int = 4) -> list[list[int]]:
     """Held-out prompts the benchmarks do not use: half chat (the held-out ShareGPT prompts from
     the end of their order, chat template applied), half code (the last HumanEval problems)."""
     from specdeploy import data
+    from specdeploy.prompts import chat_ids, text_ids
 
     chats = data.sharegpt_prompts(None, "heldout", max_chars=1000)[-(n - n // 2):]
     codes = data.humaneval_prompts()[-(n // 2):] if n // 2 else []
-    texts = [data.chat_text(tokenizer, text) for text in chats]
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts] + [tokenizer(t)["input_ids"] for t in codes]
+    return [chat_ids(tokenizer, text) for text in chats] + [text_ids(tokenizer, text) for text in codes]
 
 
 # ---------------------------------------------------------------------- load
@@ -288,7 +315,8 @@ def calibration_prompts(tokenizer: Any, n: int = 4) -> list[list[int]]:
 
 @dataclass
 class LoadPoint:
-    """One in-flight batch of `batch` sequences: tokens/s of its speculative and its plain rounds."""
+    """One in-flight batch of `batch` sequences: tokens/s of its speculative rounds and of its
+    plain twin's rounds."""
 
     batch: int
     spec_tokens: int
@@ -307,44 +335,59 @@ class LoadPoint:
 
 def measure_load_curve(make_batcher: Callable[[int], InflightBatcher], prompts: list[list[int]], batch_sizes: list[int], *,
                        rounds: int = 12, max_draft: int = DEFAULT_DRAFT_LEN, warmup: int = LOAD_WARMUP) -> list[LoadPoint]:
-    """For each size: batches of that many greedy requests from `make_batcher(size)`, as many as
-    it takes for every prompt to be in one (a batch of 1 measured on one prompt alone is one
-    prompt's acceptance), each decoding `warmup` plain rounds untimed, then `rounds` speculative and
-    `rounds` plain rounds in ABBA order on the same sequences; tokens/s of each kind over them all.
-    A size whose rows end before both kinds ran is left out."""
+    """For each size: batches of that many greedy requests on `make_batcher(size)` and the same
+    requests on its plain twin (the deployment without its proposer: what a server's AR twin runs),
+    as many as it takes for every prompt to be in one (a batch of 1 measured on one prompt alone is
+    one prompt's acceptance). Each decodes `warmup` plain rounds untimed; the deployment then
+    resumes speculating with one untimed round (it takes in the warm-up's target states), and
+    `rounds` of its speculative rounds and `rounds` of the twin's run in ABBA order; tokens/s of
+    each over them all. A size whose rows end before both ran is left out."""
     points = []
     for size in batch_sizes:
         seconds, tokens = {True: 0.0, False: 0.0}, {True: 0, False: 0}
         for first in range(0, max(len(prompts), 1), size):
             batch = [prompts[(first + i) % len(prompts)] for i in range(size)]
-            _time_rounds(make_batcher(size), batch, rounds, max_draft, warmup, seconds, tokens)
+            speculative = make_batcher(size)
+            _time_rounds({True: speculative, False: _plain_twin(speculative)}, batch, rounds, max_draft, warmup,
+                         seconds, tokens)
         if seconds[True] and seconds[False]:
             points.append(LoadPoint(size, tokens[True], seconds[True], tokens[False], seconds[False]))
     return points
 
 
-def _time_rounds(batcher: InflightBatcher, batch: list[list[int]], rounds: int, max_draft: int, warmup: int,
-                 seconds: dict[bool, float], tokens: dict[bool, int]) -> None:
-    """Decode `batch` together, adding the time and tokens of speculative (True) and plain rounds."""
-    emitted: list[int] = []
-    params = SamplingParams(max_new_tokens=warmup + rounds * (max_draft + 2) + 2)
-    for ids in batch:
-        batcher.add(BatchRequest(ids, params, on_tokens=lambda group: emitted.append(len(group))))
-    batcher.spec_off_above = 0
-    for _ in range(1 + warmup):  # the first admits (prefills) every request; none is counted
-        batcher.step()
+def _plain_twin(batcher: InflightBatcher) -> InflightBatcher:
+    """`batcher`'s deployment without its proposer."""
+    return InflightBatcher(batcher.target, None, max_batch_size=batcher.max_batch_size, decode=batcher.decode,
+                           context_length=batcher.context_length)
+
+
+def _time_rounds(batchers: dict[bool, InflightBatcher], batch: list[list[int]], rounds: int, max_draft: int,
+                 warmup: int, seconds: dict[bool, float], tokens: dict[bool, int]) -> None:
+    """Decode `batch` on the speculative (True) and the plain (False) batcher, adding the time and
+    tokens of their timed rounds."""
+    emitted: dict[bool, list[int]] = {True: [], False: []}
+    params = SamplingParams(max_new_tokens=warmup + (rounds + 1) * (max_draft + 1) + 2)
+    for speculate, batcher in batchers.items():
+        count = emitted[speculate].append
+        for ids in batch:
+            batcher.add(BatchRequest(ids, params, on_tokens=lambda group, count=count: count(len(group))))
+        batcher.spec_off_above = 0
+        for _ in range(1 + warmup):  # the first admits (prefills) every request; none is counted
+            batcher.step()
+    batchers[True].spec_off_above = None
+    batchers[True].step()
     for r in range(2 * rounds):
+        speculate = r % 4 in (0, 3)
+        batcher = batchers[speculate]
         if batcher.active < len(batch):
             break
-        speculate = r % 4 in (0, 3)
-        batcher.spec_off_above = None if speculate else 0
-        before = len(emitted)
+        before = len(emitted[speculate])
         _synchronize(batcher.device)
         start = time.perf_counter()
         batcher.step()
         _synchronize(batcher.device)
         seconds[speculate] += time.perf_counter() - start
-        tokens[speculate] += sum(emitted[before:])
+        tokens[speculate] += sum(emitted[speculate][before:])
 
 
 def break_even(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:

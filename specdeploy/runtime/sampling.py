@@ -15,8 +15,10 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (float32, same leading shape) after temperature, top-k and top-p."""
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        # exactly k tokens survive: a threshold at the k-th logit would keep every token tied with it
+        top = torch.topk(logits, params.top_k, dim=-1).indices
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)

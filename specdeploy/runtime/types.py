@@ -181,7 +181,7 @@ class GenerationMetrics:
     new_tokens: int = 0
     target_forwards: int = 0  # verify/decode forwards after prefill
     draft_tokens: int = 0  # proposed tokens sent to verification
-    accepted_draft_tokens: int = 0
+    accepted_draft_tokens: int = 0  # accepted and emitted: a stop inside an accepted path drops its tail
     elapsed_s: float = 0.0
     time_to_first_token_s: float = 0.0
 

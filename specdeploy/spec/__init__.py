@@ -19,7 +19,13 @@ runtime proposers):
          "block_size": int,          # DFlash: the pending token + block_size - 1 drafts per forward
          "training": {"steps", "seconds", "tokens", "first_loss", "final_loss", "final_acc", "lr",
                       "distill": {...}, "settings": {...}},
+         "imported": {"layout", "source", "files", "verifier", "gate"},   # instead of "training" for a
+                                     # module made elsewhere (specdeploy.modules)
          "format_version": 1}
+        EAGLE-3's eagle_architecture_config names its first layer's norms: "hidden_norm_input"
+        "fc" (the engines' layer: what the spec stage trains) or "input_layernorm" (ModelOpt's HF
+        module; absent means this, in modules trained before), and "norm_before_residual"
+        (spec.eagle.run_first_layer_as_engines).
     spec/module.safetensors
         only the trained module's tensors, keys exactly as in the converted model's state_dict():
         medusa_heads.{h}.{l}.linear.{weight,bias}, medusa_heads.{h}.{num_layers}.weight  (Medusa)
@@ -33,7 +39,8 @@ runtime proposers):
 
 Producers: the stage function `specdeploy.spec.commands.run(build, spec, preset="quick", device="auto",
 **overrides)` (what `make engine` calls) and `specdeploy spec train` (also under torchrun: see
-spec.parallel). Consumers: `load_spec_model` below, and
+spec.parallel); for a module made elsewhere, `specdeploy.modules.stage.run` (`make engine MODULE=...`,
+`specdeploy spec import`). Consumers: `load_spec_model` below, and
 the runtime proposers (`build_proposer("medusa"|"eagle", target, spec_dir=...)`), which take the
 module from `load_module_model` without loading a second copy of the base.
 
@@ -72,12 +79,17 @@ def read_spec_config(spec_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def convert_model(model: Any, kind: str, modelopt_config: dict[str, Any]) -> Any:
-    """mtsp.convert in place (imports ModelOpt lazily: ~10 s)."""
+    """mtsp.convert in place (imports ModelOpt lazily: ~10 s); an EAGLE-3 first layer computes the
+    norms its config names (spec.eagle.run_first_layer_as_engines)."""
     import copy
 
     import modelopt.torch.speculative as mtsp
 
     mtsp.convert(model, [(kind, copy.deepcopy(modelopt_config))])
+    if kind == "eagle" and (modelopt_config.get("eagle_architecture_config") or {}).get("use_aux_hidden_state"):
+        from specdeploy.spec.eagle import run_first_layer_as_engines
+
+        run_first_layer_as_engines(model.eagle_module)
     return model
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from specdeploy.choices import parse_choices
 from specdeploy.device import add_device_arg, announce, describe, fast_dtype, resolve_device
+from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.spec.parallel import setup
 from specdeploy.spec.presets import PRESETS, TABLE, settings_for, tier_for
@@ -75,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         train_p.add_argument(f"--{f.name.replace('_', '-')}", default=None, help=f"(default: preset's, else {f.default})", **kind)
     train_p.add_argument("--choices", help="default medusa_choices / eagle_choices, e.g. '[[0], [0, 0], [1]]'")
 
+    imp = actions.add_parser("import", help="write spec/ from a module made elsewhere (--module): EAGLE-3, DFlash or "
+                                            "Medusa in the layouts docs/formats.md lists, checked against the base")
+    add_build_args(imp)
+    add_device_arg(imp)
+    _add_loader_args(imp)
+    add_import_args(imp)
+
     val = actions.add_parser("validate", help="acceptance length on held-out prompts per category")
     add_build_args(val)
     add_device_arg(val)
@@ -90,13 +98,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="EAGLE tree kind (default: static with --choices, else dynamic)")
     val.add_argument("--choices", help="medusa_choices / eagle_choices (static trees)")
     val.add_argument("--draft-len", type=int, help="chain length / tree token budget")
-    val.add_argument("--depth", type=int, default=5, help="EAGLE dynamic tree depth")
-    val.add_argument("--topk", type=int, default=3, help="EAGLE dynamic tree children per node")
-    val.add_argument("--width", type=int, default=3, help="EAGLE dynamic tree nodes expanded per depth")
-    val.add_argument("--budget", type=int, default=10, help="EAGLE dynamic tree nodes kept (verified) per round")
+    val.add_argument("--depth", type=int, help="EAGLE dynamic tree depth (default 5)")
+    val.add_argument("--topk", type=int, help="EAGLE dynamic tree children per node (default 3)")
+    val.add_argument("--width", type=int, help="EAGLE dynamic tree nodes expanded per depth (default 3)")
+    val.add_argument("--budget", type=int, help="EAGLE dynamic tree nodes kept (verified) per round (default 10)")
     val.add_argument("--speedup", action="store_true", help="also time plain decoding, interleaved per prompt")
     val.add_argument("--ar-lower-bound", type=float, help="fail when the mean acceptance length is below this")
     val.add_argument("--json", help="write the results to this file")
+
+
+def add_import_args(parser: argparse.ArgumentParser) -> None:
+    """What an import takes beyond --module (a build argument): engine and `spec import` share them."""
+    from specdeploy.modules.spec import ACCEPTABLE
+    from specdeploy.modules.stage import GATE_FLOOR
+
+    parser.add_argument("--allow-pickle", action="store_true", help="read pickle weights (*.bin, *.pt): unpickling runs code")
+    parser.add_argument("--module-accept", default="", metavar="NAMES",
+                        help=f"comma list of differences from the base to accept ({', '.join(ACCEPTABLE)}): the module's "
+                             "verifier names another model, or its RoPE theta differs")
+    parser.add_argument("--gate-floor", type=float, default=GATE_FLOOR,
+                        help=f"refuse an EAGLE-3 / DFlash module whose acceptance length on held-out chat prompts is under "
+                             f"this (default {GATE_FLOOR}; a mis-loaded head gives ~1.0; 0 skips the gate)")
+
+
+def accepted(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(name.strip() for name in args.module_accept.split(",") if name.strip())
 
 
 def _add_loader_args(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +130,24 @@ def _add_loader_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return _train(args) if args.action == "train" else _validate(args)
+    return {"train": _train, "import": _import, "validate": _validate}[args.action](args)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from specdeploy import models
+    from specdeploy.modules import stage
+
+    if not args.module:
+        raise SpecDeployError("spec import needs --module <folder>", hint="the folder holding the module's config and weights")
+    build = build_from_args(args)
+    models.run(build, args.model, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+    out = stage.run(build, args.spec, args.module, allow_pickle=args.allow_pickle, accept=accepted(args),
+                    gate_floor=args.gate_floor, device=args.device, trust_remote_code=args.trust_remote_code)
+    config = json.loads((out / "spec_config.json").read_text())
+    gate = config["imported"].get("gate") or {}
+    print(f"spec {config['kind']}: imported from {config['imported']['layout']} layout ({args.module}), acceptance length "
+          f"{gate.get('acceptance_length', 'not gated')} -> {out}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -130,14 +173,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# `spec validate` flags that shape a draft tree, the proposer options they set and the kinds that take them
+TREE_FLAGS = {"--tree": ("mode", ("eagle",)), "--choices": ("choices", ("eagle", "medusa")),
+              "--depth": ("depth", ("eagle",)), "--topk": ("topk", ("eagle",)), "--width": ("width", ("eagle",)),
+              "--budget": ("budget", ("eagle",))}
+
+
 def _proposer_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if args.choices:
-        options["choices"] = parse_choices(args.choices, f"{kind}_choices")
-    if kind == "eagle":
-        options.update(mode=args.tree, depth=args.depth, topk=args.topk, width=args.width, budget=args.budget)
-        if args.draft_len and args.tree == "chain":
-            options["chain_len"] = args.draft_len
+    """The proposer options the flags given set; a flag the module's kind has no use for is refused
+    (it would change nothing, and the report would not say so)."""
+    given = {flag: getattr(args, flag[2:]) for flag in TREE_FLAGS if getattr(args, flag[2:]) is not None}
+    unused = [flag for flag in given if kind not in TREE_FLAGS[flag][1]]
+    if unused:
+        raise SpecDeployError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to a {kind} module",
+                              hint="--draft-len caps every kind's draft; --tree/--depth/--topk/--width/--budget shape EAGLE "
+                                   "trees, --choices EAGLE and Medusa static trees")
+    options = {TREE_FLAGS[flag][0]: value for flag, value in given.items()}
+    if "choices" in options:
+        options["choices"] = parse_choices(options["choices"], f"{kind}_choices")
+    if args.draft_len and args.tree == "chain":
+        options["chain_len"] = args.draft_len
     return options
 
 

@@ -23,13 +23,14 @@ import torch
 
 from specdeploy.device import fast_dtype, resolve_device
 from specdeploy.fileio import cache_dir, content_fingerprint
+from specdeploy.prompts import conversation_ids
 from specdeploy.spec import memory
 from specdeploy.spec.common import chat_prompts, load_base
 from specdeploy.spec.parallel import Parallel
 from specdeploy.runtime.types import model_device
 from specdeploy.spec.shards import INFO_FILE, DistillData, ShardedData, save
 
-DATA_VERSION = 2
+DATA_VERSION = 3  # 3: prompts encoded as served (specdeploy.prompts: one BOS, also for Llama-like tokenizers)
 MAX_PROMPT_TOKENS = 192
 TF_MAX_TOKENS = 384  # teacher-forced conversations are cut to this many tokens
 TF_BATCH = 8
@@ -108,12 +109,7 @@ def generate(
 
 def _conversation_ids(tokenizer: Any, conversation: list[dict[str, str]], max_tokens: int) -> list[int]:
     turns = [t for t in conversation[:2] if t["role"] in ("user", "assistant")]
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False)
-        ids = list(out["input_ids"] if isinstance(out, dict) else out)
-    else:
-        ids = tokenizer("\n".join(t["content"] for t in turns), add_special_tokens=False)["input_ids"]
-    return ids[:max_tokens]
+    return conversation_ids(tokenizer, turns)[:max_tokens]
 
 
 @torch.no_grad()

@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
+from specdeploy.errors import SpecDeployError
+
 DEFAULT_DRAFT_VOCAB = 8192
+# What the first layer's hidden_norm reads (eagle_architecture_config "hidden_norm_input"): the fc
+# output, as the EAGLE authors' layer and every engine compute it (SafeAILab/EAGLE cb7e084
+# eagle/model/cnets.py LlamaDecoderLayeremb; TensorRT-LLM's Eagle3DecoderLayer; vLLM and SGLang
+# llama_eagle3), or its input_layernorm, as ModelOpt 0.47's HF EagleModule computes it (the decoder
+# layer normalizes its input before the attention pre-hook applies hidden_norm). Absent: ModelOpt's
+# (modules trained before the spec stage named it); the spec stage trains the engines' ("fc").
+HIDDEN_NORM_INPUTS = ("fc", "input_layernorm")
 
 
 def aux_layer_ids(num_layers: int) -> list[int]:
@@ -49,6 +58,9 @@ def modelopt_config(
         "use_aux_hidden_state": True,
         "use_last_layernorm": True,
         "eagle_aux_hidden_state_layer_ids": aux_layer_ids(base_config.num_hidden_layers),
+        # the first layer as TensorRT-LLM, vLLM and SGLang compute it (HIDDEN_NORM_INPUTS): trained,
+        # served here and served on a GPU alike
+        "hidden_norm_input": "fc",
         "rms_norm_eps": getattr(base_config, "rms_norm_eps", 1e-5),
         "rope_theta": theta,
         "rope_scaling": {"rope_type": "default", "rope_theta": theta},
@@ -140,3 +152,34 @@ def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int, a
         base_model_outputs=outputs,
     )
     return out.loss, [float(a) for a in out.train_acc[0]]
+
+
+def first_layer_norms(arch: Any) -> tuple[str, bool]:
+    """(hidden_norm_input, norm_before_residual) of an EAGLE-3 architecture config (dict or config)."""
+    read = arch.get if isinstance(arch, dict) else lambda key, default=None: getattr(arch, key, default)
+    return read("hidden_norm_input", "input_layernorm") or "input_layernorm", bool(read("norm_before_residual", False))
+
+
+def run_first_layer_as_engines(module: Any) -> None:
+    """Make ModelOpt's EAGLE-3 first layer compute what its config names: hidden_norm on the fc output
+    (not on its input_layernorm), and with norm_before_residual (vllm-project/speculators 0.9.0
+    Eagle3FirstLayerMixin) the normed hidden state as the attention's residual. ModelOpt's attention
+    pre-hook still concatenates input_layernorm(embeddings) with hidden_norm(what the layer passes)."""
+    import types
+
+    source, before_residual = first_layer_norms(module.config)
+    if source == "input_layernorm" and not before_residual:
+        return
+    if source not in HIDDEN_NORM_INPUTS or (source == "input_layernorm" and before_residual):
+        raise SpecDeployError(f"unsupported EAGLE-3 first layer: hidden_norm_input {source!r}, norm_before_residual "
+                              f"{before_residual}", hint=f"hidden_norm_input is one of {', '.join(HIDDEN_NORM_INPUTS)}; "
+                                                        "norm_before_residual needs 'fc'")
+
+    def forward(layer: Any, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        residual = layer.hidden_norm(hidden_states) if before_residual else hidden_states
+        attention, _ = layer.self_attn(hidden_states=hidden_states, **kwargs)
+        hidden = residual + attention
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    first = module.layers[0]
+    first.forward = types.MethodType(forward, first)

@@ -12,6 +12,7 @@ from typing import Any
 
 from specdeploy.device import resolve_device
 from specdeploy.errors import SpecDeployError
+from specdeploy.prompts import chat_ids, text_ids
 from specdeploy.runtime.types import acceptance_length
 from specdeploy.spec import memory
 from specdeploy.spec.common import chat_prompts, code_prompts
@@ -58,14 +59,12 @@ class CategoryResult:
 
 
 def encode(tokenizer: Any, text: str, category: str, max_prompt_tokens: int = 256) -> list[int]:
-    """Chat prompts through the chat template (as served); code prompts as raw completions."""
+    """A prompt as served (specdeploy.prompts): chat in the chat template, code as a raw completion.
+    A longer text is cut to `max_prompt_tokens` first: chat keeps its start, code its end."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    ids = ids[-max_prompt_tokens:] if category == "code" else ids[:max_prompt_tokens]  # code: keep the end
-    if category == "chat" and getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(ids)}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
-    return ids
+    if len(ids) > max_prompt_tokens:
+        text = tokenizer.decode(ids[-max_prompt_tokens:] if category == "code" else ids[:max_prompt_tokens])
+    return chat_ids(tokenizer, text) if category == "chat" else text_ids(tokenizer, text)
 
 
 def prompts_for(category: str, n: int) -> list[str]:

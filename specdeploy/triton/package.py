@@ -54,7 +54,7 @@ OUT = "triton_repo"
 TRAINED = ("medusa", "eagle", "dflash")  # kinds whose deployment reads the spec stage's spec/ folder
 ROUTES_FILE = "gpu_routes.json"
 DEPLOYMENT_FILE = "deployment.json"  # cpu/tensorrt_llm/1/: what the CPU runtime loads
-CPU_PLAN = 6  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
+CPU_PLAN = 7  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
 PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
 CPU_DRAFT_SHAPES = ("fixed", "auto")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
@@ -78,6 +78,9 @@ BLS_CONTAINER_DIR = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1"
 # sequences in the CPU deployment's in-flight batch: measured in-process on 2 cores (SmolLM2-135M,
 # float32), 8 rows decode 4.2x the tokens/s of one
 CPU_MAX_BATCH_SIZE = 8
+# perf outputs only the CPU runtime sends (beside NVIDIA's): the tokens it emitted and its target
+# forwards, from which verify takes the served acceptance length
+CPU_COUNTERS = ("total_generated_tokens", "total_target_forwards")
 CPU_MAX_QUEUE = 64  # requests in flight (queued + in the batch) before the CPU model answers "server busy"
 
 
@@ -212,10 +215,28 @@ def write_cpu_repo(out: Path, deployment: dict[str, Any], tokenizer_dir: str, li
         _fill_model(out / model, ibl / model, values)
     for model in ("tensorrt_llm", "tensorrt_llm_bls"):
         shutil.copytree(TEMPLATES / "cpu" / model, out / model, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    add_cpu_counters(out)
     write_cpu_bls(out / "tensorrt_llm_bls", (out / "ensemble" / "config.pbtxt").read_text(), decoupled=decoupled)
     _add_parameters(out / "tensorrt_llm" / "config.pbtxt",
                     {"specdeploy_max_batch_size": max_batch_size, "specdeploy_max_queue": max_queue})
     atomic_write_json(out / "tensorrt_llm" / "1" / DEPLOYMENT_FILE, deployment)
+
+
+def add_cpu_counters(repo: Path) -> None:
+    """The CPU runtime's own perf outputs (CPU_COUNTERS) on its tensorrt_llm model and the ensemble.
+    The GPU repositories keep NVIDIA's set: their backend never sends these."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    for model in ("tensorrt_llm", "ensemble"):
+        path = repo / model / "config.pbtxt"
+        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+        for name in CPU_COUNTERS:
+            config.output.add(name=name, data_type=model_config_pb2.TYPE_INT32, dims=[1])
+        for step in config.ensemble_scheduling.step:
+            if step.model_name == "tensorrt_llm":
+                step.output_map.update({name: name for name in CPU_COUNTERS})
+        atomic_write_text(path, text_format.MessageToString(config))
 
 
 def write_cpu_bls(out: Path, ensemble_config: str, generator: str = "tensorrt_llm", *, decoupled: bool = True) -> None:

@@ -376,7 +376,7 @@ def convert_routes(model: Path, out: Path, spec: SpecInput, *, route: str = "aut
     release = release_for(trtllm_version)  # refuses a release line nobody checked
     structure = structure or draft_structure(spec)
     quant, kv = _quant_algos(model)
-    reasons = {"engine": engine_refusal(spec.kind, trtllm_version), "llmapi": llmapi.refusal(spec.kind, quant, release, kv)}
+    reasons = {"engine": engine_refusal(spec.kind, trtllm_version), "llmapi": llmapi.refusal(spec.kind, quant, release, kv, spec.config)}
     if route == "engine" and reasons["engine"]:
         raise specmodules.EngineFlowUnsupported(reasons["engine"], hint=specmodules.LLMAPI_HINT)
     if route == "llmapi" and reasons["llmapi"]:

@@ -13,7 +13,9 @@ What is written depends on the release line the GPU host runs (`--trtllm-version
   deployment decodes with the same DraftStructure.
 - `eagle3_layers_to_capture` is written explicitly: TRT-LLM's default {1, n//2-1, n-4} is a
   set, so on a shallow base it collapses and no longer matches the module's fc width.
-- The EAGLE-3 draft folder carries its layer as `midlayer.*` (TRT-LLM's Eagle3DraftModel names it so).
+- The EAGLE-3 draft folder carries its layer as `midlayer.*` (TRT-LLM's Eagle3DraftModel names it so),
+  and names the first layer's norms where they are not what TRT-LLM computes (first_layer_fields); a
+  module whose residual is its normed hidden state (speculators' norm_before_residual) gets no route.
 - DFlash drafts a chain of at most block_size - 1 tokens in one forward; its draft folder is the
   spec stage's ModelOpt export (spec/dflash_export), and mask_token_id / target_layer_ids are
   written explicitly as the module was trained.
@@ -114,8 +116,12 @@ def check_structure(kind: str, structure: DraftStructure, release: Release) -> N
                               hint=f"the CPU deployment that predicts the GPU host drafts at most {MAX_RUNTIME_DEPTH} deep")
 
 
-def refusal(kind: str, quant_algo: str | None, release: Release, kv_algo: str | None = None) -> str | None:
+def refusal(kind: str, quant_algo: str | None, release: Release, kv_algo: str | None = None,
+            spec_config: dict[str, Any] | None = None) -> str | None:
     """Why this build has no LLM-API route on `release`, or None."""
+    if kind == "eagle" and first_layer_fields(spec_config).get("norm_before_residual"):
+        return ("this EAGLE-3 module adds the normed hidden state as its first layer's residual (norm_before_residual, "
+                "a speculators option vLLM runs): TensorRT-LLM's Eagle3DecoderLayer adds the un-normed one")
     if kind not in (*KINDS, "none"):
         return (f"TensorRT-LLM's PyTorch backend has no {kind} speculative decoding (MedusaDecodingConfig does not "
                 "support the pytorch backend; EAGLE-1/2 drafts are incompatible with EAGLE-3)")
@@ -309,6 +315,18 @@ def export_eagle3(base_dir: Path, spec_dir: Path, out: Path) -> Path:
     return out
 
 
+def first_layer_fields(spec_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The first layer's norms where they are not what TensorRT-LLM computes (hidden_norm on the fc
+    output, residual un-normed: spec.eagle.HIDDEN_NORM_INPUTS): the draft folder says so (engines
+    ignore the keys; specdeploy's import reads them back). Empty for an engine-shaped module."""
+    from specdeploy.spec.eagle import first_layer_norms
+
+    arch = ((spec_config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
+    source, before_residual = first_layer_norms(arch)
+    fields: dict[str, Any] = {} if source == "fc" else {"hidden_norm_input": source}
+    return {**fields, "norm_before_residual": True} if before_residual else fields
+
+
 def training_rope_scaling(spec: Any) -> dict[str, Any] | None:
     """The module's own rope_scaling (None: plain RoPE), as the spec stage trained it."""
     arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
@@ -316,7 +334,8 @@ def training_rope_scaling(spec: Any) -> dict[str, Any] | None:
     return None if (scaling.get("rope_type") or scaling.get("type") or "default") == "default" else scaling
 
 
-def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | None, dtype: str = "bfloat16") -> Path:
+def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | None, dtype: str = "bfloat16",
+                       first_layer: dict[str, Any] | None = None) -> Path:
     """The draft folder the GPU host loads: ModelOpt's export with its single decoder layer as
     `midlayer.*`, the RoPE the module was trained with (ModelOpt's exporter injects a YaRN
     rope_scaling into a plain-RoPE module, which would make the GPU draft differ from the CPU one),
@@ -334,6 +353,7 @@ def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | N
         tensors = {("midlayer." + k.split(".", 2)[2]) if k.startswith("layers.") else k: v for k, v in tensors.items()}
     config = with_dtype(json.loads((export / "config.json").read_text()), dtype)
     config["rope_scaling"] = rope_scaling
+    config.update(first_layer or {})
     cast = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "model.safetensors", save(cast, metadata={"format": "pt"}))
@@ -352,7 +372,7 @@ def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path, dt
     ready = Path(spec_dir) / "eagle3_export"
     if not ((ready / "config.json").exists() and list(ready.glob("*.safetensors"))):
         ready = export_eagle3(base_dir, Path(spec_dir), out / ".eagle3_export")
-    folder = write_draft_folder(ready, out / DRAFT_FOLDER, training_rope_scaling(spec), dtype)
+    folder = write_draft_folder(ready, out / DRAFT_FOLDER, training_rope_scaling(spec), dtype, first_layer_fields(spec.config))
     shutil.rmtree(out / ".eagle3_export", ignore_errors=True)
     return folder
 

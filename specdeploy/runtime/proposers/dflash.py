@@ -70,8 +70,10 @@ class DFlashProposer(Proposer):
         consumed = state.tokens.shape[1] - 1
         fresh = torch.cat([state.hidden[layer][0].to(self.device) for layer in self.hidden_layers], dim=-1)
         n_new = min(fresh.shape[0], consumed)
-        if self.cached + n_new != consumed:  # a new request, or states out of step with the cache
+        if not consumed - n_new <= self.cached <= consumed:  # another request's context, or a gap before these
             self.reset()
+        # positions it already projected (a failed batch draft retried row by row) are not projected twice
+        n_new = min(n_new, consumed - self.cached)
         if n_new == 0:
             return consumed
         positions = torch.arange(consumed - n_new, consumed, device=self.device)
@@ -181,7 +183,7 @@ def _unsupported(skeleton: Any) -> str | None:
 def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None, head_rows: int | None = None,
-    seed: int = 0, **_: Any,
+    seed: int = 0,
 ) -> DFlashProposer:
     """A DFlash proposer from a spec/ folder (trained; `path` is an alias), or a fresh module (tests).
 

@@ -129,7 +129,6 @@ def build(
     head_rows: int | None = None,
     stop_below: float = 0.0,
     draft_quant: str | None = None,
-    **_: Any,
 ) -> DraftModelProposer:
     """From a loaded `draft_model` (moved to the target's device), or from `draft_model_dir`
     (loaded in the target's dtype, on the target's device).

@@ -311,16 +311,26 @@ def _new_positions(p: EagleProposer, state: TargetState) -> int:
     return min(state.hidden[p.hidden_layers[0]].shape[1], state.tokens.shape[1] - 1)
 
 
+def _first_to_feed(p: EagleProposer, state: TargetState) -> int:
+    """The first position of `state` the module must take in. Positions before the first handed
+    over that it never saw stay out of its cache (a gap). A failed batch draft retried row by row
+    hands over positions it already took in: it goes on from where it stopped, taking its last one
+    in again (the draft grows from that position's output)."""
+    consumed = state.tokens.shape[1] - 1
+    start = consumed - _new_positions(p, state)
+    return start if p.fed_until > consumed else max(start, min(p.fed_until, consumed - 1))
+
+
 def _feed(p: EagleProposer, state: TargetState) -> _Feed:
     tokens = state.tokens[0]
     consumed = len(tokens) - 1
     aux = torch.cat([state.hidden[layer][0].to(p.device) for layer in p.hidden_layers], dim=-1)
-    n_new = _new_positions(p, state)
-    if n_new > consumed - p.fed_until:  # a new request, or states we have already seen
+    begin = _first_to_feed(p, state)
+    if p.fed_until > consumed:  # states from before what it took in: another request's
         p.reset()
+    p.cache_len -= max(0, p.fed_until - begin)  # a retried position's entry is made again
     p.cache.crop(p.cache_len)
-    start = consumed - n_new  # positions before it that we never saw stay out of the cache (gap)
-    return _Feed(aux[-n_new:], tokens[start + 1: consumed + 1].to(p.device), start, consumed)
+    return _Feed(aux[begin - consumed:], tokens[begin + 1: consumed + 1].to(p.device), begin, consumed)
 
 
 def _ingest_many(proposers: list[EagleProposer], states: list[TargetState]) -> _Batch:
@@ -355,7 +365,7 @@ def _caught_up(proposers: list[EagleProposer], states: list[TargetState]) -> lis
         return states
     left = []
     for p, state in zip(proposers, states):
-        if _new_positions(p, state) > CATCH_UP:
+        if state.tokens.shape[1] - 1 - _first_to_feed(p, state) > CATCH_UP:
             _ingest_many([p], [replace(state, tokens=state.tokens[:, :-1],
                                        hidden={layer: h[:, :-1] for layer, h in state.hidden.items()})])
             state = replace(state, hidden={layer: h[:, -1:] for layer, h in state.hidden.items()})
@@ -516,7 +526,7 @@ def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None, mode: str | None = None,
     choices: list[list[int]] | str | None = None, depth: int = 5, topk: int = 3, width: int = 3,
     chain_len: int = 4, budget: int = DEFAULT_BUDGET, max_depth: int = MAX_DEPTH, max_draft_len: int | None = None,
-    draft_vocab: int | None = None, seed: int = 0, **_: Any,
+    draft_vocab: int | None = None, seed: int = 0,
 ) -> EagleProposer:
     """An EAGLE proposer from a spec/ folder (trained) or a fresh module (tests).
 

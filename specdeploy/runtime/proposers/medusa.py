@@ -98,7 +98,7 @@ def _heads_from(target: Any, spec_dir: str | os.PathLike | None, num_heads: int,
 def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None, choices: list[list[int]] | str | None = None,
     num_heads: int = 3, num_layers: int = 1, max_draft_len: int | None = None, seed: int = 0,
-    full_vocab: bool = False, **_: Any,
+    full_vocab: bool = False,
 ) -> MedusaProposer:
     """Medusa heads from a spec/ folder (trained; `path` is an alias), or fresh ones (tests)."""
     spec_dir = spec_dir if spec_dir is not None else path

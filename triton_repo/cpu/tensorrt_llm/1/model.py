@@ -20,7 +20,8 @@ the verifier accepts it (several tokens in one response when several drafts were
 a final response without tokens and the FINAL flag; otherwise one response holds every token.
 With return_perf_metrics every response carries TensorRT-LLM's perf outputs as of that response
 (draft counts and acceptance rate from the runtime's counters, the request's arrival / scheduled /
-first-token / last-token times; KV "blocks" count token positions, one per block, none reused).
+first-token / last-token times; KV "blocks" count token positions, one per block, none reused), and
+two of specdeploy's: total_generated_tokens (sent or held back) and total_target_forwards.
 Client errors come back as the request's Triton error; the model keeps serving. Beyond
 `specdeploy_max_queue` requests in flight a request is refused at once ("server busy").
 Speculative-decoding counters go to Triton's metrics endpoint (pb_utils.MetricFamily).
@@ -754,4 +755,8 @@ def _perf_tensors(entry: _Entry, generated: int) -> list:
         one("acceptance_rate", metrics.acceptance_rate, np.float32),
         one("total_accepted_draft_tokens", metrics.accepted_draft_tokens, np.int32),
         one("total_draft_tokens", metrics.draft_tokens, np.int32),
+        # specdeploy's own, beside NVIDIA's: what the acceptance length is counted on (emitted tokens
+        # and the target forwards after the prefill), so no client has to re-tokenize the text for it
+        one("total_generated_tokens", generated, np.int32),
+        one("total_target_forwards", metrics.target_forwards, np.int32),
     ]

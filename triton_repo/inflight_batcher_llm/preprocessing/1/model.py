@@ -2,7 +2,9 @@
 
 Tensor names and layouts follow TensorRT-LLM's inflight_batcher_llm preprocessing, so it serves
 the C++ tensorrtllm backend and specdeploy's CPU model alike. Bad requests fail here with a
-message naming the client-facing input (text_input, max_tokens, stop_words, ...).
+message naming the client-facing input (text_input, max_tokens, stop_words, ...). The prompt is
+encoded as everywhere in specdeploy (specdeploy_prompts.py beside this file: a copy of
+specdeploy/prompts.py, since NVIDIA's container runs this model without specdeploy installed).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from specdeploy_prompts import text_ids  # Triton puts this model's folder on sys.path
 from transformers import AutoTokenizer
 
 
@@ -98,7 +101,7 @@ class TritonPythonModel:
             text = _text(query, "text_input")
             if not text:
                 raise BadRequest("text_input is empty: send the prompt text")
-            ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens and not self._has_bos(text))
+            ids = text_ids(self.tokenizer, text, self.add_special_tokens)
             if self.max_input_len and len(ids) > self.max_input_len:
                 raise BadRequest(
                     f"text_input is {len(ids)} tokens, beyond the model's context of {self.max_input_len} tokens"
@@ -109,12 +112,6 @@ class TritonPythonModel:
         for b, row in enumerate(rows):
             ids[b, : len(row)] = row
         return ids, lengths
-
-    def _has_bos(self, text: str) -> bool:
-        """A prompt already rendered by a chat template carries its BOS: adding another would
-        differ from training (apply_chat_template, no extra BOS) only when served."""
-        bos = self.tokenizer.bos_token
-        return bool(bos) and text.startswith(bos)
 
     def _check_output_len(self, output_len: np.ndarray, input_len: np.ndarray) -> None:
         for out_len, in_len in zip(output_len.reshape(-1), input_len.reshape(-1)):

@@ -1,0 +1,114 @@
+"""`specdeploy export --format trtllm|speculators|dflash --out DIR`: a build's module (trained or
+imported: its spec/) as a folder in an engine's layout, for engines beside TensorRT-LLM.
+
+    trtllm       EAGLE-3: the eagle3_draft folder convert writes (llmapi.eagle3_draft: ModelOpt's export,
+                 its layer as midlayer.*); DFlash: the dflash_draft folder (TensorRT-LLM 1.3+). Medusa has
+                 no such folder (engine flow only: `specdeploy convert --route engine`).
+    speculators  vLLM's speculators layout (modules/speculators.py), EAGLE-3 or DFlash, with d2t and t2d.
+    dflash       DFlash as z-lab publishes it (what vLLM's and SGLang's dflash methods load): the same
+                 folder as trtllm's for DFlash.
+
+Each reads back through `specdeploy spec import` to the same module, bit for bit (float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+
+FORMATS = ("trtllm", "speculators", "dflash")
+# trtllm: the half dtype convert deploys drafts in (TensorRT-LLM's kernels lack float32); the others
+# keep the module as stored, which vLLM and SGLang cast to the serving dtype when loading
+DEFAULT_DTYPES = {"trtllm": "bfloat16", "speculators": "float32", "dflash": "float32"}
+
+
+def export(build: BuildDir, fmt: str, out: Path, *, dtype: str | None = None, verifier: str | None = None) -> Path:
+    """Write the build's module to `out` in `fmt`; returns `out`."""
+    from specdeploy.spec import read_spec_config
+
+    spec_dir, base_dir = build.path("spec"), build.path("base")
+    kind = read_spec_config(spec_dir)["kind"]
+    dtype = dtype or DEFAULT_DTYPES[fmt]
+    refuse(fmt, kind)
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        written = _write(build, fmt, kind, spec_dir, base_dir, staging, dtype, verifier)
+        shutil.rmtree(out, ignore_errors=True)
+        written.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def refuse(fmt: str, kind: str) -> None:
+    if kind == "medusa":
+        raise SpecDeployError(f"no {fmt} layout holds Medusa heads: no LLM-API engine (TensorRT-LLM's PyTorch backend, "
+                              "vLLM, SGLang) serves them", hint="TensorRT-LLM 1.1/1.2's engine flow does: "
+                                                                "`specdeploy convert --route engine`")
+    if fmt == "dflash" and kind != "dflash":
+        raise SpecDeployError(f"--format dflash writes DFlash modules; this build's is {kind}",
+                              hint="use --format trtllm or speculators")
+
+
+def _write(build: BuildDir, fmt: str, kind: str, spec_dir: Path, base_dir: Path, staging: Path, dtype: str,
+           verifier: str | None) -> Path:
+    from specdeploy.trtllm import llmapi
+    from specdeploy.trtllm.convert import load_spec
+
+    if fmt == "speculators":
+        return _speculators(build, spec_dir, base_dir, staging / "module", dtype, verifier)
+    if kind == "dflash":
+        return llmapi.dflash_draft(spec_dir, staging, dtype)
+    return llmapi.eagle3_draft(load_spec(spec_dir), spec_dir, base_dir, staging, dtype)
+
+
+def _speculators(build: BuildDir, spec_dir: Path, base_dir: Path, out: Path, dtype: str, verifier: str | None) -> Path:
+    from specdeploy.modules import speculators
+    from specdeploy.modules.spec import Base, from_spec, normalise
+    from specdeploy.modules.stage import build_aliases
+
+    aliases = build_aliases(build)
+    base = Base.of(base_dir, *aliases)
+    module = normalise(from_spec(spec_dir), base)
+    return speculators.write(module, out, verifier=verifier or aliases[0] or str(base_dir),
+                             verifier_architectures=list(base.config.get("architectures") or []),
+                             max_positions=int(base.config.get("max_position_embeddings", 4096)), dtype=dtype)
+
+
+def notes(build: BuildDir) -> list[str]:
+    """What an engine will run differently from the CPU runtime, said when exporting."""
+    from specdeploy.spec import read_spec_config
+    from specdeploy.trtllm.llmapi import first_layer_fields
+
+    config: dict[str, Any] = read_spec_config(build.path("spec"))
+    if config["kind"] != "eagle" or "hidden_norm_input" not in first_layer_fields(config):
+        return []
+    return ["this EAGLE-3 module was trained with ModelOpt's first layer (hidden_norm on input_layernorm(fc)); TensorRT-LLM, "
+            "vLLM and SGLang apply hidden_norm to the fc output, so their drafts differ from the CPU runtime's and their "
+            "acceptance may be lower (the folder records hidden_norm_input for specdeploy's own import)"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_build_args(parser)
+    parser.add_argument("--format", required=True, choices=FORMATS, help="the layout to write (see docs/formats.md)")
+    parser.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype (default: trtllm bfloat16, as convert deploys drafts; else float32, as stored)")
+    parser.add_argument("--verifier", help="speculators: the verifier's name_or_path to record (default: the model the "
+                                           "build resolved, as MODEL named it)")
+
+
+def main(args: argparse.Namespace) -> int:
+    build = build_from_args(args)
+    out = export(build, args.format, Path(args.out), dtype=args.dtype, verifier=args.verifier)
+    for note in notes(build):
+        print(f"note: {note}")
+    print(f"{args.format}: {out}")
+    return 0

@@ -1,0 +1,1 @@
+../../../../specdeploy/prompts.py
