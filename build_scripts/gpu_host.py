@@ -335,7 +335,7 @@ def check_python(host: Host) -> None:
     """The Python that runs verify can import it (and sees a GPU when the reference needs one);
     checked before the server starts, as the server takes minutes."""
     python = python_for_verify(host)
-    code = ("import specdeploy.verify, tritonclient.grpc, torch, sys; "
+    code = ("import specdeploy.verify.command, tritonclient.grpc, torch, sys; "
             f"sys.exit(3 if {host.device!r}.startswith('cuda') and not torch.cuda.is_available() else 0)")
     try:
         done = subprocess.run([python, "-c", code], capture_output=True, text=True, env={**os.environ, **verify_env(host)})

@@ -10,7 +10,7 @@
    batch 8 x 100 columns). The query runs as two identical rows and one is kept: as accurate
    against float64 (over a served generation, about as many calls closer as farther, the mean
    error equal to 1e-8), but not always the same bits: the two paths round a few elements apart.
-Selected per attention module, like the K/V quantizing variant in quantize.loader, so the model's
+Selected per attention module, like the K/V quantizing variant in checkpoints.quantized, so the model's
 own config (masks, callers) stays "sdpa".
 """
 

@@ -354,7 +354,7 @@ def bench_served(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from specdeploy.models import resolve_model_dir
+    from specdeploy.resolve import resolve_model_dir
     from specdeploy.runtime.deployment import load_model
 
     if args.served:

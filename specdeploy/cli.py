@@ -16,19 +16,19 @@ from specdeploy.errors import SpecDeployError
 # name -> (module, one-line help). Order is the pipeline's.
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("specdeploy.pipeline", "run the whole pipeline: resolve -> spec -> quantize -> convert -> build -> package"),
-    "resolve": ("specdeploy.models", "stage 1: turn a local folder, .gguf file or bundled name into an HF safetensors folder"),
-    "spec": ("specdeploy.spec.commands", "stage 2: train (ModelOpt), import (--module) or validate an EAGLE-3, DFlash or Medusa module"),
+    "resolve": ("specdeploy.resolve.stage", "stage 1: turn a local folder, .gguf file or bundled name into an HF safetensors folder"),
+    "spec": ("specdeploy.speculator.commands", "stage 2: train (ModelOpt), import (--module) or validate an EAGLE-3, DFlash or Medusa module"),
     "quantize": ("specdeploy.quantize", "stage 3: ModelOpt post-training quantization of base (and module)"),
     "convert": ("specdeploy.trtllm.convert", "stage 4: write TensorRT-LLM checkpoints"),
     "build": ("specdeploy.trtllm.build", "stage 5: trtllm-build plan and script (runs only on a GPU host)"),
-    "package": ("specdeploy.triton.package", "stage 6: fill the Triton model repository"),
+    "package": ("specdeploy.triton.stage", "stage 6: fill the Triton model repository"),
     "serve": ("specdeploy.triton.serve", "start tritonserver on the packaged repository (loopback)"),
     "client": ("specdeploy.client", "send a request to a running server with tritonclient"),
     "export": ("specdeploy.modules.export", "write a build's module in an engine's layout: trtllm, speculators (vLLM), dflash"),
-    "verify": ("specdeploy.verify", "parity vs the Hugging Face reference, acceptance, speed-up, through Triton"),
+    "verify": ("specdeploy.verify.command", "parity vs the Hugging Face reference, acceptance, speed-up, through Triton"),
     "generate": ("specdeploy.runtime.command", "generate in-process with the speculative-decoding runtime"),
     "bench": ("specdeploy.bench", "benchmark autoregressive vs speculative vs HF assisted generation"),
-    "loadtest": ("specdeploy.loadtest", "serving benchmark: speculative vs autoregressive over concurrency levels"),
+    "loadtest": ("specdeploy.loadtest.command", "serving benchmark: speculative vs autoregressive over concurrency levels"),
 }
 
 

@@ -23,9 +23,10 @@ from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args, build_name
 from specdeploy.quantize.formats import DEPLOY_DTYPES
-from specdeploy.spec.commands import accepted, add_import_args
-from specdeploy.triton.package import (ADAPTIVE_HELP, CPU_MAX_BATCH_SIZE, SERVE_DTYPE_HELP, SERVE_DTYPES, add_cpu_deployment_args,
-                                      gpu_summary)
+from specdeploy.speculator.commands import accepted, add_import_args
+from specdeploy.triton.cpu_repo import CPU_MAX_BATCH_SIZE, SERVE_DTYPES
+from specdeploy.triton.routes import gpu_summary
+from specdeploy.triton.stage import ADAPTIVE_HELP, SERVE_DTYPE_HELP, add_cpu_deployment_args
 from specdeploy.trtllm.llmapi import DEFAULT_TRTLLM_VERSION, add_trtllm_version_arg
 from specdeploy.trtllm.releases import release_for
 
@@ -48,11 +49,11 @@ class EngineOptions:
     kv_cache: str | None = None  # None: follow the weight format (KV_CACHE_FOR)
     spec_preset: str = "quick"
     dtype: str = "bfloat16"  # the deployment's weights (quantize.stage.DEPLOY_DTYPES): cast explicitly, never silently
-    serve_dtype: str = "native"  # the CPU runtime's compute dtype (package.SERVE_DTYPES)
-    adaptive: bool = False  # package.ADAPTIVE_HELP
+    serve_dtype: str = "native"  # the CPU runtime's compute dtype (triton.cpu_repo.SERVE_DTYPES)
+    adaptive: bool = False  # triton.stage.ADAPTIVE_HELP
     cpu_max_batch_size: int = CPU_MAX_BATCH_SIZE
     spec_off_above: int | None = None  # the CPU deployment decodes larger batches plainly
-    cpu_draft_shape: str = "auto"  # the CPU deployment drafts the shape measured fastest here (package.plan_cpu_shape)
+    cpu_draft_shape: str = "auto"  # the CPU deployment drafts the shape measured fastest here (triton.cpu_plan.plan_cpu_shape)
     trtllm_version: str = DEFAULT_TRTLLM_VERSION  # the release the GPU host runs (convert: routes, LLM-API config)
     tp_size: int = 1
     pp_size: int = 1
@@ -67,20 +68,20 @@ class EngineOptions:
 
 
 def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callable[[], Path]]]:
-    from specdeploy import models, quantize
-    from specdeploy.triton import package
+    from specdeploy import quantize, resolve
+    from specdeploy.triton import stage as package_stage
     from specdeploy.trtllm import build as trt_build, convert
 
     draft_dir = _draft_dir(build, opts)
     loader = {"device": opts.device, "trust_remote_code": opts.trust_remote_code}
     steps: list[tuple[str, Callable[[], Path]]] = [
-        ("resolve", lambda: models.run(build, opts.model, allow_pickle=opts.allow_pickle,
+        ("resolve", lambda: resolve.run(build, opts.model, allow_pickle=opts.allow_pickle,
                                        trust_remote_code=opts.trust_remote_code)),
     ]
     if opts.module:
         steps.append(("spec", lambda: _import_module(build, opts)))
     elif opts.spec in TRAINED_SPECS:
-        from specdeploy.spec import commands as spec
+        from specdeploy.speculator import commands as spec
 
         overrides = {k: v for k, v in (opts.spec_overrides or {}).items() if v is not None}
         steps.append(("spec", lambda: spec.run(build, opts.spec, preset=opts.spec_preset, **loader, **overrides)))
@@ -94,10 +95,10 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
         ("convert", lambda: convert.run(build, tp=opts.tp_size, pp=opts.pp_size, kind=kind, trtllm_version=opts.trtllm_version,
                                         draft_model=draft_dir, max_draft_len=chain_len)),
         ("build", lambda: trt_build.run(build)),
-        ("package", lambda: package.run(build, spec=opts.spec, max_draft_len=chain_len,
-                                        draft_model_dir=draft_dir, dtype=opts.serve_dtype, adaptive=opts.adaptive,
-                                        device=opts.device, cpu_max_batch_size=opts.cpu_max_batch_size,
-                                        spec_off_above=opts.spec_off_above, cpu_draft_shape=opts.cpu_draft_shape)),
+        ("package", lambda: package_stage.run(build, spec=opts.spec, max_draft_len=chain_len,
+                                              draft_model_dir=draft_dir, dtype=opts.serve_dtype, adaptive=opts.adaptive,
+                                              device=opts.device, cpu_max_batch_size=opts.cpu_max_batch_size,
+                                              spec_off_above=opts.spec_off_above, cpu_draft_shape=opts.cpu_draft_shape)),
     ]
     return steps
 
@@ -122,7 +123,8 @@ def _draft_dir(build: BuildDir, opts: EngineOptions) -> str | None:
         return None
     if not opts.draft:
         raise SpecDeployError("SPEC=draft needs a draft model", hint="pass DRAFT=<hf folder | .gguf | bundled name>, e.g. qwen2.5-coder-0.5b")
-    from specdeploy.models import load_tokenizer, resolve_model_dir
+    from specdeploy.checkpoints import load_tokenizer
+    from specdeploy.resolve import resolve_model_dir
     from specdeploy.runtime.proposers.draft import check_tokenizers
 
     draft = resolve_model_dir(opts.draft)

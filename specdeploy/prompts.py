@@ -8,9 +8,9 @@ tokenizer's special tokens unless it already starts with the BOS token: a chat t
 writes its own BOS (Llama 2/3) would otherwise get a second one, and a tokenizer that adds a BOS
 (Llama) gets it before raw text and before a template that writes none.
 
-Standard library only: the preprocessing model (triton_repo/inflight_batcher_llm/preprocessing)
-imports a copy of this file from its own folder, because NVIDIA's container runs it without
-specdeploy installed.
+Standard library only: the preprocessing model (specdeploy/triton/templates/inflight_batcher_llm/
+preprocessing) imports a copy of this file from its own folder, which `specdeploy package` writes
+there (triton.templating.SHARED_CODE), because NVIDIA's container runs it without specdeploy installed.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from specdeploy.attention import CPU_SDPA, use_cpu_sdpa
 from specdeploy.attention import sdpa as attention_sdpa
-from specdeploy.models import load_causal_lm
+from specdeploy.checkpoints import load_causal_lm
 
 
 def _masked_steps(model, dtype: torch.dtype) -> list[torch.Tensor]:

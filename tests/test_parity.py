@@ -10,10 +10,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdeploy.parity import Reference as Greedy
 from specdeploy.parity import compare, hf_reference, parity_holds
-from specdeploy.quantize.loader import parity_dtype
+from specdeploy.checkpoints.quantized import parity_dtype
 from specdeploy.runtime.types import acceptance_length
-from specdeploy.verify import (ACCEPTANCE_DEFINITION, SPEEDUP_DEFINITION, _speedup, parity_rule, served_forwards, summarize,
-                              trtllm_target, write_reports)
+from specdeploy.verify.reports import write_reports
+from specdeploy.verify.served import served_forwards
+from specdeploy.verify.summary import ACCEPTANCE_DEFINITION, SPEEDUP_DEFINITION, _speedup, parity_rule, summarize
+from specdeploy.verify.trtllm_server import trtllm_target
 
 
 def test_reference_match_and_divergence(tiny_llama_dir):
@@ -197,7 +199,7 @@ def test_the_margin_shift_is_nothing_in_float64_and_rounding_in_bf16(tiny_llama_
     """One forward against rounds of `chunk` through the cache, position by position: in float64
     the same numbers (a misaligned position would differ by whole logits), in bf16 a rounding
     (how much depends on the CPU's bf16 kernels: none at all on some)."""
-    from specdeploy.models import load_causal_lm
+    from specdeploy.checkpoints import load_causal_lm
     from specdeploy.parity import margin_shift
 
     model, tokenizer, prompt_ids = _tiny(tiny_llama_dir)
@@ -209,22 +211,22 @@ def test_the_margin_shift_is_nothing_in_float64_and_rounding_in_bf16(tiny_llama_
 
 
 def test_the_measured_near_tie_limit_is_the_p99_shift_between_the_floor_and_the_cap(tiny_llama_dir, monkeypatch):
-    from specdeploy import verify
-    from specdeploy.models import load_causal_lm
+    from specdeploy.checkpoints import load_causal_lm
     from specdeploy.parity import NEAR_TIE, NEAR_TIE_CAP
+    from specdeploy.verify.reference import Reference, measured_near_tie
 
     model, tokenizer, _ = _tiny(tiny_llama_dir)
-    reference = verify.Reference(load_causal_lm(tiny_llama_dir, "float64"), tokenizer)
+    reference = Reference(load_causal_lm(tiny_llama_dir, "float64"), tokenizer)
     answers = [("def add(a, b):", " return a + b"), ("def sub(a, b):", "")]  # an empty answer: nothing to measure
-    exact = verify.measured_near_tie(reference, answers, 8, chunk=2)
+    exact = measured_near_tie(reference, answers, 8, chunk=2)
     assert exact["limit"] == NEAR_TIE and exact["largest_shift"] < 1e-9 and exact["positions"] > 1
     shifts = [0.25] * 98 + [1.25, 1.25, 4.0]  # p99 (stats.percentiles: linear) 1.25, under the cap
-    monkeypatch.setattr(verify, "margin_shift", lambda *args: shifts)
-    noisy = verify.measured_near_tie(reference, answers, 8, chunk=2)
+    monkeypatch.setattr("specdeploy.verify.reference.margin_shift", lambda *args: shifts)
+    noisy = measured_near_tie(reference, answers, 8, chunk=2)
     assert noisy["limit"] == noisy["p99_shift"] == 1.25 and noisy["largest_shift"] == 4.0
     assert noisy["positions"] == 101 and noisy["round_tokens"] == 2
     shifts[-3:] = [2.5, 2.5, 6.77]  # a p99 past the cap
-    assert verify.measured_near_tie(reference, answers, 8, chunk=2)["limit"] == NEAR_TIE_CAP
+    assert measured_near_tie(reference, answers, 8, chunk=2)["limit"] == NEAR_TIE_CAP
     row = {"prompt": "p", "reference": "a", "served": "b", "match": False, "first_divergence_token": 3,
            "margin_at_divergence": 1.125, "speedup": None, "tokens": 4, "latency_s": 1.0, "ttft_s": 0.1,
            "accepted_draft_tokens": 0, "target_forwards": 4, "category": "code", "shown": "p"}

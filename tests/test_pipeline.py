@@ -178,9 +178,9 @@ def test_engine_plans_the_cpu_draft_shape_by_default_and_package_alone_keeps_con
     import argparse
 
     from specdeploy import pipeline
-    from specdeploy.triton import package
+    from specdeploy.triton import stage
 
-    for module, default in ((pipeline, "auto"), (package, "fixed")):
+    for module, default in ((pipeline, "auto"), (stage, "fixed")):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
         assert parser.parse_args([]).cpu_draft_shape == default

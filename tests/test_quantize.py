@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specdeploy import models
+from specdeploy import checkpoints, resolve
 from specdeploy import quantize as Q
 from specdeploy.errors import SpecDeployError
-from specdeploy.quantize import calibrate, config, export, loader, placement, stage
+from specdeploy.checkpoints import quantized
+from specdeploy.quantize import calibrate, config, export, placement, stage
 from specdeploy.manifest import BuildDir
 from tests.tiny import make_llama
 
@@ -34,7 +35,7 @@ def tiny128_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 def _build(tmp_path: Path, model_dir: Path, name: str = "b") -> BuildDir:
     build = BuildDir(tmp_path / name)
-    models.run(build, str(model_dir))
+    resolve.run(build, str(model_dir))
     return build
 
 
@@ -46,7 +47,7 @@ def fp8_build(tmp_path_factory, tiny128_dir) -> BuildDir:
 
 
 def _calib(model_dir: Path) -> list[torch.Tensor]:
-    return calibrate.calibration_batches(models.load_tokenizer(model_dir), 2, 32)
+    return calibrate.calibration_batches(checkpoints.load_tokenizer(model_dir), 2, 32)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -113,14 +114,14 @@ def test_quality_report_written(fp8_build):
 
 def test_load_causal_lm_serves_the_quantized_checkpoint(fp8_build):
     out = fp8_build.path("quantized")
-    model = models.load_causal_lm(out)
+    model = checkpoints.load_causal_lm(out)
     q_proj = model.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, loader.QuantLinear) and q_proj.act_format == "fp8"
+    assert isinstance(q_proj, quantized.QuantLinear) and q_proj.act_format == "fp8"
     assert model.model.layers[0].self_attn.specdeploy_kv_format == "fp8"
     assert model.config._attn_implementation == "sdpa" and not model.training
     ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
     with torch.no_grad():
-        a, b = model(ids).logits, models.load_causal_lm(out)(ids).logits
+        a, b = model(ids).logits, checkpoints.load_causal_lm(out)(ids).logits
     assert torch.isfinite(a).all() and torch.equal(a, b)  # deterministic: same numerics every load
 
 
@@ -134,7 +135,7 @@ def test_kv_quantized_once_on_write_equals_requantizing_the_cache(fp8_build):
         def update(self, *args, **kwargs):
             return tuple(t.clone() for t in super().update(*args, **kwargs))
 
-    model = models.load_causal_lm(fp8_build.path("quantized"))
+    model = checkpoints.load_causal_lm(fp8_build.path("quantized"))
 
     def run(cache: DynamicCache) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -146,15 +147,15 @@ def test_kv_quantized_once_on_write_equals_requantizing_the_cache(fp8_build):
     attention = model.model.layers[1].self_attn
     stored, raw = on_write.layers[1], every_step.layers[1]
     assert stored.keys.shape[-2] == 14
-    assert torch.equal(loader.fake_quant(stored.keys, attention.specdeploy_k_scale, "fp8"), stored.keys)
-    assert torch.equal(loader.fake_quant(stored.values, attention.specdeploy_v_scale, "fp8"), stored.values)
-    assert not torch.equal(loader.fake_quant(raw.keys, attention.specdeploy_k_scale, "fp8"), raw.keys)  # two paths
+    assert torch.equal(quantized.fake_quant(stored.keys, attention.specdeploy_k_scale, "fp8"), stored.keys)
+    assert torch.equal(quantized.fake_quant(stored.values, attention.specdeploy_v_scale, "fp8"), stored.values)
+    assert not torch.equal(quantized.fake_quant(raw.keys, attention.specdeploy_k_scale, "fp8"), raw.keys)  # two paths
 
 
 def test_siblings_quantize_the_input_they_share_once(fp8_build, monkeypatch):
     """q/k/v and gate/up (one input scale each in the export) quantize their input once per
     forward, with the same logits as quantizing it per Linear, and keep nothing afterwards."""
-    model = models.load_causal_lm(fp8_build.path("quantized"))
+    model = checkpoints.load_causal_lm(fp8_build.path("quantized"))
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attention.q_proj.shared_input is attention.k_proj.shared_input is attention.v_proj.shared_input
     assert mlp.gate_proj.shared_input is mlp.up_proj.shared_input
@@ -162,15 +163,15 @@ def test_siblings_quantize_the_input_they_share_once(fp8_build, monkeypatch):
     assert attention.o_proj.shared_input is None and mlp.down_proj.shared_input is None
 
     calls = []
-    apply_fake_quant = loader.apply_fake_quant
-    monkeypatch.setattr(loader, "apply_fake_quant", lambda x, *a: calls.append(x.shape) or apply_fake_quant(x, *a))
+    apply_fake_quant = quantized.apply_fake_quant
+    monkeypatch.setattr(quantized, "apply_fake_quant", lambda x, *a: calls.append(x.shape) or apply_fake_quant(x, *a))
     ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]])
     with torch.no_grad():
         shared = model(ids).logits
         per_layer_shared = len(calls) // model.config.num_hidden_layers
         assert all(m.shared_input._entry is None for m in model.modules() if getattr(m, "shared_input", None))
         for module in model.modules():
-            if isinstance(module, loader.QuantLinear):
+            if isinstance(module, quantized.QuantLinear):
                 module.shared_input = None
         calls.clear()
         alone = model(ids).logits
@@ -195,10 +196,10 @@ def _modelopt_reference(model_dir: Path, qformat: str, kv: str) -> tuple[torch.n
     reference = copy.deepcopy(model)
     out = model_dir.parent / f"{model_dir.name}-{qformat}-{kv}"
     export.export_checkpoint(model, out)
-    return reference, loader.load_quantized(out, "bfloat16")
+    return reference, quantized.load_quantized(out, "bfloat16")
 
 
-def _use_exported_weight(ref: torch.nn.Module, layer: loader.QuantLinear) -> None:
+def _use_exported_weight(ref: torch.nn.Module, layer: quantized.QuantLinear) -> None:
     ref.weight.data = layer.weight.data.clone()
     quantizers = ref.weight_quantizer
     for quantizer in quantizers if isinstance(quantizers, torch.nn.Sequential) else [quantizers]:
@@ -214,7 +215,7 @@ def test_loader_matches_modelopt_layer_by_layer(tiny128_dir, qformat):
     torch.manual_seed(0)
     checked = 0
     for name, layer in loaded.named_modules():
-        if not isinstance(layer, loader.QuantLinear):
+        if not isinstance(layer, quantized.QuantLinear):
             continue
         ref = reference.get_submodule(name)
         if (layer.pre_quant_scale is None) != (getattr(ref.input_quantizer, "_pre_quant_scale", None) is None):
@@ -233,7 +234,7 @@ def test_int8_smoothquant_whole_model_equals_modelopt(tiny128_dir):
     reference, loaded = _modelopt_reference(tiny128_dir, "int8_sq", "fp8")
     assert loaded.model.layers[1].self_attn.specdeploy_kv_format == "fp8"
     for name, layer in loaded.named_modules():
-        if isinstance(layer, loader.QuantLinear):
+        if isinstance(layer, quantized.QuantLinear):
             _use_exported_weight(reference.get_submodule(name), layer)
     ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7, 100, 200, 13]])
     with torch.no_grad():
@@ -253,18 +254,18 @@ def test_fresh_model_per_export(tiny128_dir, tmp_path):
 def test_int4_awq_stage_and_unpacking(tmp_path, tiny128_dir):
     build = _build(tmp_path, tiny128_dir)
     out = Q.run(build, "int4_awq", "fp8", **FAST)
-    quant = loader.read_quant_config(out)
+    quant = quantized.read_quant_config(out)
     assert quant["quant_algo"] == "W4A16_AWQ" and quant["group_size"] == 128
-    model = models.load_causal_lm(out)
+    model = checkpoints.load_causal_lm(out)
     assert model.model.layers[0].mlp.down_proj.act_format is None  # weight-only
     packed = torch.tensor([[0x1F, 0x80]], dtype=torch.uint8)  # rows (-1 | 1), (0 | -8)
-    assert loader.unpack_int4(packed).tolist() == [[-1, 0], [1, -8]]
+    assert quantized.unpack_int4(packed).tolist() == [[-1, 0], [1, -8]]
 
 
 def test_smaller_awq_block_size_when_asked(tmp_path, tiny_llama_dir):
     out = Q.run(_build(tmp_path, tiny_llama_dir), "int4_awq", "none", awq_block_size=64, **FAST)
-    assert loader.read_quant_config(out)["group_size"] == 64
-    assert isinstance(models.load_causal_lm(out).model.layers[0].self_attn.q_proj, loader.QuantLinear)
+    assert quantized.read_quant_config(out)["group_size"] == 64
+    assert isinstance(checkpoints.load_causal_lm(out).model.layers[0].self_attn.q_proj, quantized.QuantLinear)
 
 
 def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp_path, tiny128_dir):
@@ -278,10 +279,10 @@ def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp
     assert kept == sorted(["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj",
                            "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"])
     assert build.record("quantize")["settings"]["exclude"] == ["*mlp.down_proj", "model.layers.0.self_attn.[qkv]_proj"]
-    model = models.load_causal_lm(out)
+    model = checkpoints.load_causal_lm(out)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-            assert isinstance(module, loader.QuantLinear) == (name not in kept), name
+            assert isinstance(module, quantized.QuantLinear) == (name not in kept), name
     assert model.model.layers[0].self_attn.specdeploy_kv_format == "fp8"  # the KV cache is still quantized
     convert_all(out, tmp_path / "ckpt")
     config = json.loads((tmp_path / "ckpt" / "target" / "config.json").read_text())
@@ -290,7 +291,7 @@ def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp
 
 
 def test_exclude_errors_say_what_to_do(tmp_path, tiny128_dir):
-    model = models.load_causal_lm(tiny128_dir)
+    model = checkpoints.load_causal_lm(tiny128_dir)
     with pytest.raises(SpecDeployError, match="'\\*mlp.down' matches no quantized Linear") as err:
         config.excluded_linears(model, "fp8", ["*mlp.down"])
     assert "model.layers.0.self_attn.q_proj" in err.value.hint
@@ -304,10 +305,10 @@ def test_exclude_errors_say_what_to_do(tmp_path, tiny128_dir):
 def test_nvfp4_exports_but_the_loader_refuses_it(tmp_path, tiny128_dir):
     build = _build(tmp_path, tiny128_dir)
     out = Q.run(build, "nvfp4", "none", calib_size=2, calib_seq_len=32, report=True, report_prompts=1, report_tokens=4, report_texts=1)
-    assert loader.read_quant_config(out)["quant_algo"] == "NVFP4"
+    assert quantized.read_quant_config(out)["quant_algo"] == "NVFP4"
     assert "FP4 block quantization" in json.loads((out / "quantize.json").read_text())["skipped"]
     with pytest.raises(SpecDeployError, match="fake-quant loader cannot run") as err:
-        models.load_causal_lm(out)
+        checkpoints.load_causal_lm(out)
     assert "TensorRT-LLM" in err.value.hint
 
 
@@ -338,8 +339,8 @@ def test_speculative_decoding_exact_on_quantized_model(fp8_build):
     from specdeploy.runtime.proposers import build_proposer
     from specdeploy.runtime.types import SamplingParams
 
-    model = models.load_causal_lm(fp8_build.path("quantized"))
-    tokenizer = models.load_tokenizer(fp8_build.path("quantized"))
+    model = checkpoints.load_causal_lm(fp8_build.path("quantized"))
+    tokenizer = checkpoints.load_tokenizer(fp8_build.path("quantized"))
     params = SamplingParams(max_new_tokens=24)
     for text in ["def add(a, b):\n    return a + b\ndef add(", "The quick brown fox. The quick brown"]:
         ids = tokenizer(text)["input_ids"]
@@ -356,7 +357,7 @@ def test_cli_quantize(tmp_path, tiny128_dir):
     assert main(["resolve", "--model", str(tiny128_dir), "--build-dir", str(build_dir)]) == 0
     assert main(["quantize", "--build-dir", str(build_dir), "--quant", "fp8", "--kv-cache", "none", "--device", "cpu",
                  "--calib-size", "2", "--calib-seq-len", "32", "--no-report"]) == 0
-    assert loader.read_quant_config(build_dir / "quantized")["kv_cache_quant_algo"] is None
+    assert quantized.read_quant_config(build_dir / "quantized")["kv_cache_quant_algo"] is None
     assert BuildDir(build_dir).record("quantize")["device"].startswith("cpu")
 
 
@@ -366,10 +367,11 @@ def _medusa_spec(build: BuildDir, base_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from specdeploy.fileio import atomic_write_json
-    from specdeploy.spec import convert_model, medusa, module_state_dict
+    from specdeploy.checkpoints.modules.medusa import modelopt_config as medusa_modelopt_config
+    from specdeploy.speculator import convert_model, medusa, module_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(base_dir)
-    config = medusa.modelopt_config(2, 1)
+    config = medusa_modelopt_config(2, 1)
     convert_model(model, "medusa", config)
     medusa.init_module(model)
     with build.stage("spec", "spec", {"kind": "medusa"}, consumes=("resolve",)) as tmp:
@@ -416,10 +418,10 @@ def _recount_acceptance(build: BuildDir, prompts: int, max_new_tokens: int) -> t
     from specdeploy.runtime.proposers import build_proposer
     from specdeploy.runtime.types import SamplingParams
 
-    base = models.load_causal_lm(build.path("base"), "bfloat16", device=_stage_device(build))
+    base = checkpoints.load_causal_lm(build.path("base"), "bfloat16", device=_stage_device(build))
     proposer = build_proposer("medusa", base, spec_dir=build.path("spec"))
     accepted = forwards = 0
-    for ids in report_prompts(models.load_tokenizer(build.path("base")), prompts):
+    for ids in report_prompts(checkpoints.load_tokenizer(build.path("base")), prompts):
         metrics = generate(base, ids, SamplingParams(max_new_tokens=max_new_tokens), proposer, adaptive=False).metrics
         accepted, forwards = accepted + metrics.accepted_draft_tokens, forwards + metrics.target_forwards
     return accepted, forwards
@@ -478,16 +480,16 @@ def test_quantized_checkpoint_loads_with_a_device_map(fp8_build):
     picks: every layer on the CPU without CUDA, on the GPU with one; several GPUs share them."""
     out = fp8_build.path("quantized")
     with torch.no_grad():
-        mapped = models.load_causal_lm(out, device_map="auto")
+        mapped = checkpoints.load_causal_lm(out, device_map="auto")
         ids = torch.tensor([[1, 5, 9, 30, 44, 2, 7]], device=mapped.device)
-        plain = models.load_causal_lm(out, device=mapped.device)(ids).logits
-        assert isinstance(mapped.model.layers[0].mlp.down_proj, loader.QuantLinear)
+        plain = checkpoints.load_causal_lm(out, device=mapped.device)(ids).logits
+        assert isinstance(mapped.model.layers[0].mlp.down_proj, quantized.QuantLinear)
         assert torch.equal(mapped(ids).logits, plain)
 
 
 def test_the_runtime_loader_imports_no_modelopt_and_no_stage(fp8_build):
-    """models -> quantize.loader is a leaf: serving a quantized checkpoint (the Triton model,
-    verify, bench) imports neither ModelOpt nor the stage; the format tables import no torch."""
+    """checkpoints.load_causal_lm reads downward only: serving a quantized checkpoint (the Triton
+    model, verify, bench) imports neither ModelOpt nor any stage; the format tables import no torch."""
     import subprocess
     import sys
 
@@ -495,10 +497,12 @@ def test_the_runtime_loader_imports_no_modelopt_and_no_stage(fp8_build):
 import sys
 from specdeploy.quantize.formats import QUANT_FORMATS
 assert "torch" not in sys.modules and QUANT_FORMATS[0] == "fp8"
-import specdeploy.models as models
-models.load_causal_lm({str(fp8_build.path("quantized"))!r})
-loaded = sorted(m for m in sys.modules if m.startswith(("modelopt", "specdeploy.quantize")))
-assert loaded == ["specdeploy.quantize", "specdeploy.quantize.formats", "specdeploy.quantize.loader"], loaded
+before = set(sys.modules)
+from specdeploy import checkpoints
+checkpoints.load_causal_lm({str(fp8_build.path("quantized"))!r})
+stages = ("modelopt", "specdeploy.quantize", "specdeploy.speculator", "specdeploy.resolve", "specdeploy.trtllm", "specdeploy.triton")
+loaded = sorted(m for m in set(sys.modules) - before if m.startswith(stages))
+assert loaded == [], loaded
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr[-2000:]
@@ -517,12 +521,12 @@ def test_fp8_on_cuda_serves_the_same_greedy_tokens_as_on_cpu(tmp_path, tiny128_d
                 report_prompts=2, report_tokens=6, report_texts=2)
     assert build.record("quantize")["device"].startswith("cuda")
     assert "perplexity" in json.loads((out / "quantize.json").read_text())
-    dtype = loader.parity_dtype(out)
+    dtype = quantized.parity_dtype(out)
     assert dtype == "float64"
-    on_gpu = models.load_causal_lm(out, dtype, device=cuda_device)
-    on_cpu = models.load_causal_lm(out, dtype, device="cpu")
+    on_gpu = checkpoints.load_causal_lm(out, dtype, device=cuda_device)
+    on_cpu = checkpoints.load_causal_lm(out, dtype, device="cpu")
     assert on_gpu.model.layers[0].self_attn.specdeploy_k_scale.device.type == "cuda"
-    tokenizer = models.load_tokenizer(out)
+    tokenizer = checkpoints.load_tokenizer(out)
     for text in ["def add(a, b):\n    return a + b\ndef add(", "The quick brown fox. The quick brown"]:
         ids = tokenizer(text)["input_ids"]
         gpu = generate(on_gpu, ids, SamplingParams(max_new_tokens=24)).token_ids

@@ -31,11 +31,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.manifest import BuildDir
 from specdeploy.quantize import stage as quantize_stage
-from specdeploy.spec.train import TrainSettings, train
-from specdeploy.triton import package
+from specdeploy.speculator.train import TrainSettings, train
+from specdeploy.triton import stage
 from specdeploy.trtllm import build as trt_build
 from specdeploy.trtllm import convert, llmapi, releases
 from tests.oracle import oracle_venv
@@ -120,13 +120,13 @@ def folders(tmp_path_factory) -> dict[str, dict[str, Path]]:
         model = chat_model(root / "model")
         draft = miniature(root / "draft", AutoTokenizer.from_pretrained(model), hidden=32, layers=1, heads=2, kv_heads=1, seed=1)
         build = BuildDir(root / "build")
-        models.run(build, str(model))
+        resolve.run(build, str(model))
         with build.stage("spec", "spec", {"kind": "eagle"}, consumes=("resolve",)) as tmp:
             train(build.path("base"), tmp, TrainSettings(kind="eagle", steps=2, **TINY), device="cpu")
         quantize_stage.run(build, "fp8", calib_size=8, report=False, device="cpu")
         convert.run(build)
         trt_build.run(build)
-        package.run(build, spec="eagle", device="cpu")
+        stage.run(build, spec="eagle", device="cpu")
         draft_target = root / "draft_target"
         convert.convert_routes(build.path("quantized"), draft_target, convert.load_spec(None, kind="draft", draft_model=draft),
                                route="llmapi", root=root)

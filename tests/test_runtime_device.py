@@ -32,13 +32,14 @@ from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.sampling import make_generator
 from specdeploy.runtime.types import DraftTree, SamplingParams, model_device
 from specdeploy.runtime.verify import ancestry, tree_attention_mask, tree_position_ids
+from specdeploy.triton.templating import TEMPLATES
 from tests.conftest import CUDA
 from tests.test_runtime_helpers import PROMPTS, draft, hf_greedy, one_thread, target, tokenizer  # noqa: F401
 
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
              "randperm", "eye", "linspace", "logspace", "empty_strided", "scalar_tensor"}
 RUNTIME_DIR = str(Path(specdeploy.runtime.__file__).parent)
-MODEL_PY = Path(__file__).parents[1] / "triton_repo" / "cpu" / "tensorrt_llm" / "1" / "model.py"
+MODEL_PY = TEMPLATES / "cpu" / "tensorrt_llm" / "1" / "model.py"
 # most of the vocabulary: the n-gram proposer finds the last token earlier even when sampling
 WIDE_PROMPT = list(range(3, 200))
 
@@ -258,7 +259,7 @@ def test_kind_gpu_instance_runs_on_its_gpu(triton_model):
 @pytest.fixture(scope="module")
 def cuda_pair(tiny_llama_dir, tiny_draft_dir):
     """Target and draft in fp32 on the GPU (only `gpu` tests ask for it)."""
-    from specdeploy.models import load_causal_lm
+    from specdeploy.checkpoints import load_causal_lm
 
     device = f"cuda:{torch.cuda.current_device()}"
     return load_causal_lm(tiny_llama_dir, "float32", device=device), load_causal_lm(tiny_draft_dir, "float32", device=device)
@@ -291,7 +292,7 @@ def test_gpu_sampling_uses_a_cuda_generator_and_is_reproducible(cuda_pair, token
 
 @pytest.mark.gpu
 def test_gpu_draft_given_on_cpu_moves_to_the_target(cuda_pair, tiny_draft_dir):
-    from specdeploy.models import load_causal_lm
+    from specdeploy.checkpoints import load_causal_lm
 
     target, _ = cuda_pair
     proposer = build_proposer("draft", target, draft_model=load_causal_lm(tiny_draft_dir, "float32", device="cpu"))

@@ -16,7 +16,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.proposers.dflash import modelopt_config
-from specdeploy.spec import MODULE_FILE, SPEC_CONFIG
+from specdeploy.checkpoints.modules import MODULE_FILE, SPEC_CONFIG
 from specdeploy.runtime.types import SamplingParams, TargetState
 from tests.test_runtime_helpers import one_thread, target, tokenizer  # noqa: F401
 from tests.test_runtime_sampling import chi_square_ok, tiny_counts, tiny_expected

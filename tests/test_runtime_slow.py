@@ -14,7 +14,8 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from specdeploy.models import load_causal_lm, load_tokenizer, resolve_model_dir
+    from specdeploy.checkpoints import load_causal_lm, load_tokenizer
+    from specdeploy.resolve import resolve_model_dir
 
     path = resolve_model_dir("smollm2-135m")
     return load_causal_lm(path, dtype="float32"), load_tokenizer(path)

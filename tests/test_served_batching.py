@@ -29,11 +29,11 @@ import requests
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer
 
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.client import Request, TritonLLMClient
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
-from specdeploy.triton import package
+from specdeploy.triton import cpu_repo, stage
 from specdeploy.triton.serve import TritonServer
 from tests.tiny import make_llama
 
@@ -205,8 +205,8 @@ def model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 def build_root(tmp_path_factory, model_dir) -> Path:
     root = tmp_path_factory.mktemp("batching") / "build"
     build = BuildDir(root)
-    models.run(build, str(model_dir))
-    package.run(build, spec="draft", draft_model_dir=model_dir, max_draft_len=4, dtype="float64")
+    resolve.run(build, str(model_dir))
+    stage.run(build, spec="draft", draft_model_dir=model_dir, max_draft_len=4, dtype="float64")
     return root
 
 
@@ -272,8 +272,8 @@ def test_package_writes_the_batching_parameters(build_root):
 
     text = (build_root / "triton_repo" / "cpu" / "tensorrt_llm" / "config.pbtxt").read_text()
     config = text_format.Parse(text, model_config_pb2.ModelConfig())
-    assert config.parameters["specdeploy_max_batch_size"].string_value == str(package.CPU_MAX_BATCH_SIZE)
-    assert config.parameters["specdeploy_max_queue"].string_value == str(package.CPU_MAX_QUEUE)
+    assert config.parameters["specdeploy_max_batch_size"].string_value == str(cpu_repo.CPU_MAX_BATCH_SIZE)
+    assert config.parameters["specdeploy_max_queue"].string_value == str(cpu_repo.CPU_MAX_QUEUE)
     assert config.HasField("dynamic_batching") and config.dynamic_batching.max_queue_delay_microseconds == 0
 
 

@@ -26,12 +26,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.client import Request, TritonLLMClient
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.types import SamplingParams
-from specdeploy.triton import package
+from specdeploy.triton import stage
 from specdeploy.triton.serve import TritonServer
 
 pytestmark = pytest.mark.server
@@ -56,8 +56,8 @@ NVIDIA_DEFAULTS = {
 
 def _build(root: Path, model: Path, decoupled: bool) -> Path:
     build = BuildDir(root)
-    models.run(build, str(model))
-    return package.run(build, spec="draft", draft_model_dir=model, max_draft_len=4, decoupled=decoupled)
+    resolve.run(build, str(model))
+    return stage.run(build, spec="draft", draft_model_dir=model, max_draft_len=4, decoupled=decoupled)
 
 
 @pytest.fixture(scope="module")

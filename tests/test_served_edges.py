@@ -23,13 +23,13 @@ from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from tritonclient.utils import InferenceServerException
 
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.client import Request, TritonLLMClient
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.types import SamplingParams
-from specdeploy.triton import package
+from specdeploy.triton import stage
 from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions
 from tests.test_served_batching import (DEADLINE_S, assert_cancelled_early, finished, generated, in_flight, scrape,
                                         wait_for, wait_idle)
@@ -81,8 +81,8 @@ def model_dir(tmp_path_factory) -> Path:
 def build_root(tmp_path_factory, model_dir) -> Path:
     root = tmp_path_factory.mktemp("edges") / "build"
     build = BuildDir(root)
-    models.run(build, str(model_dir))
-    package.run(build, spec="draft", draft_model_dir=model_dir, max_draft_len=4, dtype="float32")  # exact on any CPU
+    resolve.run(build, str(model_dir))
+    stage.run(build, spec="draft", draft_model_dir=model_dir, max_draft_len=4, dtype="float32")  # exact on any CPU
     return root
 
 

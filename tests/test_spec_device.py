@@ -17,17 +17,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdeploy import models
+from specdeploy import checkpoints, resolve
 from specdeploy.device import describe, resolve_device
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.types import acceptance_length
-from specdeploy.spec import commands, load_spec_model, module_state_dict, presets
-from specdeploy.spec import train as train_mod
-from specdeploy.spec.distill import distill
-from specdeploy.spec.parallel import Parallel, setup
-from specdeploy.spec.train import TrainSettings, data_layers, export_draft, fit, train
-from specdeploy.spec.validate import CategoryResult, overall
+from specdeploy.speculator import commands, load_spec_model, module_state_dict, presets
+from specdeploy.speculator import train as train_mod
+from specdeploy.speculator.distill import distill
+from specdeploy.speculator.parallel import Parallel, setup
+from specdeploy.speculator.train import TrainSettings, data_layers, export_draft, fit, train
+from specdeploy.speculator.validate import CategoryResult, overall
 
 TINY = dict(num_prompts=8, teacher_forced=0, max_new_tokens=16, window=32, batch_size=4, draft_vocab=96, distill_batch=8)
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def data(tiny_llama_dir):
 
 def test_stage_computes_on_the_resolved_device_and_records_it(tiny_llama_dir, tmp_path, capsys):
     build = BuildDir(tmp_path / "build")
-    models.run(build, str(tiny_llama_dir))
+    resolve.run(build, str(tiny_llama_dir))
     out = commands.run(build, "medusa", device="auto", steps=2, **TINY)
     expected = describe(resolve_device("auto"))  # the CPU here; a GPU where torch sees one
     assert build.record("spec")["device"] == expected
@@ -56,7 +56,7 @@ def test_preflight_refuses_before_any_model_is_loaded(tiny_llama_dir, data, monk
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the memory preflight refused")
 
-    monkeypatch.setattr(models, "load_causal_lm", no_loading)
+    monkeypatch.setattr(checkpoints, "load_causal_lm", no_loading)
     monkeypatch.setattr(train_mod, "load_offline_base", no_loading)
     monkeypatch.setenv("SPECDEPLOY_MEMORY_BUDGET_GIB", "0.00001")  # ~10 KiB
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "empty_cache"))  # nothing distilled yet
@@ -142,10 +142,10 @@ def test_acceptance_length_is_the_shared_definition():
 WORKER = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import save_file
-    from specdeploy.spec import distill, module_state_dict
-    from specdeploy.spec.parallel import setup
+    from specdeploy.speculator import distill, module_state_dict
+    from specdeploy.speculator.parallel import setup
     distill.SHARD = 3  # two shards: one made by each rank
-    from specdeploy.spec.train import TrainSettings, fit
+    from specdeploy.speculator.train import TrainSettings, fit
     torch.set_num_threads(1)
     model_dir, out = sys.argv[1], sys.argv[2]
     parallel = setup(torch.device("cpu"))

@@ -13,14 +13,14 @@ from safetensors.torch import load_file
 
 from specdeploy import cli
 from specdeploy.errors import SpecDeployError
-from specdeploy.models import load_causal_lm
+from specdeploy.checkpoints import load_causal_lm
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.types import SamplingParams
-from specdeploy.spec import dflash as dflash_spec
-from specdeploy.spec.distill import distill
-from specdeploy.spec.presets import settings_for
-from specdeploy.spec.train import TrainSettings, data_layers, train
+from specdeploy.speculator import dflash as dflash_spec
+from specdeploy.speculator.distill import distill
+from specdeploy.speculator.presets import settings_for
+from specdeploy.speculator.train import TrainSettings, data_layers, train
 
 TINY = dict(kind="dflash", num_prompts=8, max_new_tokens=24, window=48, batch_size=4, distill_batch=8, lr=3e-3)
 

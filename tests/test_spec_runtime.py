@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.models import load_causal_lm
+from specdeploy.checkpoints import load_causal_lm
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.types import SamplingParams, TargetState
@@ -341,7 +341,7 @@ def test_dynamic_early_exit_keeps_the_same_tree(target, budget):
 def _validate_args(*flags: str):
     import argparse
 
-    from specdeploy.spec import commands
+    from specdeploy.speculator import commands
 
     parser = argparse.ArgumentParser()
     commands.add_arguments(parser)
@@ -355,7 +355,7 @@ def _validate_args(*flags: str):
     ("dflash", ["--choices", "[[0], [1]]"], "--choices"),
 ])
 def test_spec_validate_refuses_tree_options_its_module_does_not_take(kind, flags, named):
-    from specdeploy.spec.commands import _proposer_options
+    from specdeploy.speculator.commands import _proposer_options
 
     with pytest.raises(SpecDeployError, match=f"{named} .*not .*{kind}") as err:
         _proposer_options(_validate_args(*flags), kind)
@@ -363,7 +363,7 @@ def test_spec_validate_refuses_tree_options_its_module_does_not_take(kind, flags
 
 
 def test_spec_validate_passes_the_eagle_options_given():
-    from specdeploy.spec.commands import _proposer_options
+    from specdeploy.speculator.commands import _proposer_options
 
     assert _proposer_options(_validate_args("--tree", "chain", "--draft-len", "3"), "eagle") == {"mode": "chain", "chain_len": 3}
     assert _proposer_options(_validate_args("--depth", "4", "--budget", "8"), "eagle") == {"depth": 4, "budget": 8}

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from specdeploy.spec import distill as distill_mod
-from specdeploy.spec.distill import cache_key, distill
-from specdeploy.spec.shards import ShardedData
-from specdeploy.spec.train import TrainSettings, data_layers, train
+from specdeploy.speculator import distill as distill_mod
+from specdeploy.speculator.distill import cache_key, distill
+from specdeploy.speculator.shards import ShardedData
+from specdeploy.speculator.train import TrainSettings, data_layers, train
 from tests.tiny import make_llama
 
 TINY = dict(num_prompts=9, teacher_forced=6, max_new_tokens=16, window=48, batch_size=4, draft_vocab=96, distill_batch=4)

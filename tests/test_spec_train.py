@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from specdeploy import cli
-from specdeploy.models import load_causal_lm
+from specdeploy.checkpoints import load_causal_lm
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.proposers.eagle import EagleProposer
 from specdeploy.runtime.types import TargetState
-from specdeploy.spec import load_spec_model, module_state_dict
-from specdeploy.spec.distill import distill
-from specdeploy.spec.train import TrainSettings, data_layers, train
+from specdeploy.speculator import load_spec_model, module_state_dict
+from specdeploy.speculator.distill import distill
+from specdeploy.speculator.train import TrainSettings, data_layers, train
 
 TINY = dict(num_prompts=8, max_new_tokens=24, window=48, batch_size=4, draft_vocab=96, distill_batch=8, lr=3e-3)
 
@@ -122,8 +122,8 @@ def test_cli_train_then_validate_with_bound(tmp_path, capsys, tiny_llama_dir):
 def test_code_prompts_are_completed_raw_in_their_own_shards(tiny_llama_dir):
     from specdeploy.data import stdlib_code_digest, stdlib_code_prompts
     from specdeploy.fileio import cache_dir
-    from specdeploy.models import load_tokenizer
-    from specdeploy.spec.distill import MAX_PROMPT_TOKENS
+    from specdeploy.checkpoints import load_tokenizer
+    from specdeploy.speculator.distill import MAX_PROMPT_TOKENS
 
     code = distill(tiny_llama_dir, num_prompts=0, code_prompts=4, max_new_tokens=8, layers=data_layers(2), batch_size=4,
                    device="cpu")

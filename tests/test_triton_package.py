@@ -15,14 +15,18 @@ from google.protobuf import text_format
 from safetensors.torch import save_file
 from tritonclient.grpc import model_config_pb2 as mc
 
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.choices import validate_choices
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.planner import suggested_spec_off_above
-from specdeploy.triton import package
+from specdeploy.triton import stage
+from specdeploy.triton.cpu_plan import LOAD_PAYS, PLAN_FILE
+from specdeploy.triton.cpu_repo import CPU_COUNTERS, CPU_MAX_BATCH_SIZE
+from specdeploy.triton.routes import gpu_routes, gpu_summary
+from specdeploy.triton.templating import backend_fill_args, fill
 from specdeploy.trtllm import build as trt_build
 from specdeploy.trtllm import convert, llmapi, releases
 
@@ -68,7 +72,7 @@ def spec_stage(build: BuildDir, kind: str, module: dict[str, torch.Tensor], conf
 def new_build(root: Path, model: Path, kind: str, eagle: dict | None = None, **convert_options) -> BuildDir:
     """A build directory through resolve (+ spec for medusa/eagle) + convert, ready to package."""
     build = BuildDir(root)
-    models.run(build, str(model))
+    resolve.run(build, str(model))
     if kind == "medusa":
         spec_stage(build, "medusa", medusa_module(), {"choices": TREE, "modelopt_config": {"medusa_num_heads": 3}})
     if kind == "eagle":
@@ -170,13 +174,13 @@ def check_cpu_bls(repo: Path, configs: dict[str, mc.ModelConfig]) -> None:
 @pytest.mark.parametrize("spec", ["medusa", "eagle", "draft", "ngram", "none"])
 def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make, spec):
     build = make(spec)
-    out = package.run(build, spec=spec)
+    out = stage.run(build, spec=spec)
     cpu = load_repo(out / "cpu")
     assert set(cpu) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"}
     check_ensemble_wiring(cpu)
     check_cpu_bls(out / "cpu", cpu)
     assert cpu["tensorrt_llm"].backend == "python"
-    routes = package.gpu_routes(build)
+    routes = gpu_routes(build)
     assert set(routes["routes"]) == ROUTES[spec]
     assert {p.name for p in out.iterdir() if p.is_dir()} == {"cpu", *ROUTES[spec]}
     assert routes["recommended"] == ("llmapi" if "llmapi" in ROUTES[spec] else "engine")
@@ -188,9 +192,9 @@ def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make
         # (plus, on the CPU side only, the runtime's own counters: NVIDIA's backend never sends them)
         for model in ("tensorrt_llm", "ensemble"):
             cpu_in, cpu_out = tensors(cpu[model])
-            assert (cpu_in, [t for t in cpu_out if t[0] not in package.CPU_COUNTERS]) == tensors(engine[model])
-            assert [t[0] for t in cpu_out if t[0] in package.CPU_COUNTERS] == list(package.CPU_COUNTERS)
-            assert not {t[0] for t in tensors(engine[model])[1]} & set(package.CPU_COUNTERS)
+            assert (cpu_in, [t for t in cpu_out if t[0] not in CPU_COUNTERS]) == tensors(engine[model])
+            assert [t[0] for t in cpu_out if t[0] in CPU_COUNTERS] == list(CPU_COUNTERS)
+            assert not {t[0] for t in tensors(engine[model])[1]} & set(CPU_COUNTERS)
         assert engine["tensorrt_llm"].backend == "tensorrtllm"
     if "llmapi" in ROUTES[spec]:
         assert not (out / "llmapi" / "tensorrt_llm" / "config.pbtxt").exists()  # the release's own, from its container
@@ -199,12 +203,12 @@ def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make
     # the release the GPU side was written for, with the image that carries it (releases.py)
     assert routes["release"] == releases.release_for(releases.DEFAULT_TRTLLM_VERSION).as_dict()
     assert routes["release"]["triton_image"] == "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"
-    summary = "\n".join(package.gpu_summary(build))
+    summary = "\n".join(gpu_summary(build))
     assert f"build_scripts/gpu_host.sh {build.root}" in summary and "build_engines.sh" not in summary
 
 
 def test_ensemble_matches_trtllm_client_contract(make):
-    ensemble = load_repo(package.run(make("none"), spec="none") / "cpu")["ensemble"]
+    ensemble = load_repo(stage.run(make("none"), spec="none") / "cpu")["ensemble"]
     inputs = {t.name: t for t in ensemble.input}
     required = {n for n, t in inputs.items() if not t.optional}
     assert required == {"text_input", "max_tokens"}
@@ -222,7 +226,7 @@ def test_ensemble_matches_trtllm_client_contract(make):
 
 
 def test_medusa_engine_config_carries_the_tree_the_cpu_deployment_drafts(make):
-    out = package.run(make("medusa"), spec="medusa", kv_cache_free_gpu_mem_fraction=0.85)
+    out = stage.run(make("medusa"), spec="medusa", kv_cache_free_gpu_mem_fraction=0.85)
     trt = load_repo(out / "engine")["tensorrt_llm"]
     assert param(trt, "decoding_mode") == "medusa"
     assert validate_choices(param(trt, "medusa_choices")).to_list() == validate_choices(TREE).to_list()
@@ -264,7 +268,7 @@ def split_like_fill_template(args: str) -> dict[str, str]:
 
 def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(make, tiny_draft_dir):
     build = make("draft", max_draft_len=3)
-    out = package.run(build, spec="draft", max_draft_len=3)
+    out = stage.run(build, spec="draft", max_draft_len=3)
     engine = load_repo(out / "engine")
     bls = engine["tensorrt_llm_bls"]
     assert param(bls, "tensorrt_llm_model_name") == "tensorrt_llm"
@@ -274,7 +278,7 @@ def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(ma
     assert tensors(draft) == tensors(engine["tensorrt_llm"])
     assert param(draft, "gpt_model_path") == "$BUILD_DIR/engines/draft"
     assert param(engine["tensorrt_llm"], "enable_kv_cache_reuse") == "true"
-    route = package.gpu_routes(build)["routes"]["engine"]
+    route = gpu_routes(build)["routes"]["engine"]
     assert route["model"] == "tensorrt_llm_bls" and route["request"] == {"num_draft_tokens": 3} and route["stream"] is False
     assert "num_draft_tokens" in (out / "README.md").read_text() and "does not stream" in (out / "README.md").read_text()
     # the LLM API drafts the same 3 tokens from the draft model the build carries
@@ -291,7 +295,7 @@ def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(ma
 
 def test_cpu_deployment_json_is_what_load_decoder_reads(make):
     build = make("draft", max_draft_len=3)
-    out = package.run(build, spec="draft", max_draft_len=3)
+    out = stage.run(build, spec="draft", max_draft_len=3)
     folder = out / "cpu" / "tensorrt_llm" / "1"
     config = deployment(out)
     assert (folder / config["model_dir"]).resolve() == build.path("base").resolve()
@@ -306,9 +310,9 @@ def test_cpu_deployment_json_is_what_load_decoder_reads(make):
     assert param(trt, "specdeploy_deployment") == "deployment.json"
     assert trt.model_transaction_policy.decoupled
     with pytest.raises(SpecDeployError, match="differs from the chain of 3"):
-        package.run(build, spec="draft", max_draft_len=5)
+        stage.run(build, spec="draft", max_draft_len=5)
     assert "spec_off_above" not in config and decoder.spec_off_above is None  # always speculates by default
-    assert param(trt, "specdeploy_max_batch_size") == str(package.CPU_MAX_BATCH_SIZE)
+    assert param(trt, "specdeploy_max_batch_size") == str(CPU_MAX_BATCH_SIZE)
 
 
 def test_the_cpu_batch_flags_reach_the_deployment(make, tmp_path):
@@ -325,7 +329,7 @@ def test_the_cpu_batch_flags_reach_the_deployment(make, tmp_path):
 
 def test_llmapi_model_yaml_is_one_writer_that_honours_the_converted_tp(make):
     build = make("ngram", tp=2)
-    out = package.run(build, spec="ngram")
+    out = stage.run(build, spec="ngram")
     config = model_yaml(out)
     assert config["backend"] == "pytorch" and config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     assert config["tensor_parallel_size"] == 2 and config["pipeline_parallel_size"] == 1
@@ -334,14 +338,14 @@ def test_llmapi_model_yaml_is_one_writer_that_honours_the_converted_tp(make):
     assert config["speculative_config"]["decoding_type"] == "NGram" and config["disable_overlap_scheduler"] is True
     serve = yaml.safe_load((out / "llmapi" / "trtllm_serve.yaml").read_text())
     assert serve == {k: v for k, v in config.items() if k not in ("model", "triton_config")}
-    assert package.gpu_routes(build)["routes"]["llmapi"]["world_size"] == 2
+    assert gpu_routes(build)["routes"]["llmapi"]["world_size"] == 2
     # the CPU n-gram proposer looks up the same n-gram size and drafts as many tokens
     assert {"kind": "ngram", "max_ngram": 3, "max_draft_len": 4}.items() <= deployment(out)["spec"].items()
 
 
 def test_eagle_drafts_the_same_chain_on_both_sides_and_never_a_static_tree(make):
     build = make("eagle")
-    out = package.run(build, spec="eagle")
+    out = stage.run(build, spec="eagle")
     gpu = model_yaml(out)["speculative_config"]
     assert gpu["max_draft_len"] == 4 and "eagle_choices" not in gpu and "use_dynamic_tree" not in gpu
     spec = deployment(out)["spec"]
@@ -350,14 +354,14 @@ def test_eagle_drafts_the_same_chain_on_both_sides_and_never_a_static_tree(make)
     decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
     assert decoder.proposer.mode == "chain" and decoder.proposer.chain_len == 4 and decoder.draft_len == 4
     with pytest.raises(SpecDeployError, match="not a static eagle_choices tree"):
-        package.run(build, spec="eagle", choices=TREE)
+        stage.run(build, spec="eagle", choices=TREE)
 
 
 def test_auto_draft_shape_serves_the_planners_fastest_shape_on_the_cpu_only(make, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "cache"))  # the verify-cost curve it measures
     build = make("eagle")
-    out = package.run(build, spec="eagle", cpu_draft_shape="auto")
-    planned = json.loads((out / "cpu" / package.PLAN_FILE).read_text())
+    out = stage.run(build, spec="eagle", cpu_draft_shape="auto")
+    planned = json.loads((out / "cpu" / PLAN_FILE).read_text())
     estimates = {e["shape"]: e["tokens_per_s"] for e in planned["plan"]["estimates"]}
     assert {"chain 1", "chain 4", "tree 10"} <= set(estimates) and "chain 5" not in estimates  # up to convert's 4
     fastest = max(estimates, key=estimates.get)
@@ -371,26 +375,26 @@ def test_auto_draft_shape_serves_the_planners_fastest_shape_on_the_cpu_only(make
     assert gpu["max_draft_len"] == 4  # the GPU keeps convert's chain
     # and the load up to which it speculates: measured batches of 1..cpu_max_batch_size
     curve = planned["load"]["curve"]
-    assert [p["batch"] for p in curve] == list(range(1, package.CPU_MAX_BATCH_SIZE + 1))
-    rule = suggested_spec_off_above([p["batch"] for p in curve], [p["speedup"] for p in curve], package.LOAD_PAYS)
+    assert [p["batch"] for p in curve] == list(range(1, CPU_MAX_BATCH_SIZE + 1))
+    rule = suggested_spec_off_above([p["batch"] for p in curve], [p["speedup"] for p in curve], LOAD_PAYS)
     assert planned["load"]["spec_off_above"] == (None if rule is None else max(1, rule))  # alone, it speculates
     assert deployment(out).get("spec_off_above") == planned["load"]["spec_off_above"] == decoder.spec_off_above
     # the GPU config's speculation controls start from this measurement, and say so
-    knobs = package.gpu_routes(build)["routes"]["llmapi"]["speculation_knobs"]
+    knobs = gpu_routes(build)["routes"]["llmapi"]["speculation_knobs"]
     assert knobs["values"] == llmapi.scale_knobs(releases.release_for(releases.DEFAULT_TRTLLM_VERSION), 4, planned)
     assert knobs["values"].items() <= gpu.items() and "CPU planner" in knobs["from"]
     assert gpu.get("max_concurrency") == planned["load"]["spec_off_above"]
-    given = package.run(build, spec="eagle", cpu_draft_shape="auto", spec_off_above=3)  # the user's value wins
-    assert deployment(given)["spec_off_above"] == 3 and "load" not in json.loads((given / "cpu" / package.PLAN_FILE).read_text())
-    fixed = package.run(build, spec="eagle")  # another setting: packaged again, convert's chain
-    assert deployment(fixed)["spec"]["max_draft_len"] == 4 and not (fixed / "cpu" / package.PLAN_FILE).exists()
+    given = stage.run(build, spec="eagle", cpu_draft_shape="auto", spec_off_above=3)  # the user's value wins
+    assert deployment(given)["spec_off_above"] == 3 and "load" not in json.loads((given / "cpu" / PLAN_FILE).read_text())
+    fixed = stage.run(build, spec="eagle")  # another setting: packaged again, convert's chain
+    assert deployment(fixed)["spec"]["max_draft_len"] == 4 and not (fixed / "cpu" / PLAN_FILE).exists()
     with pytest.raises(SpecDeployError, match="unknown draft shape"):
-        package.run(build, spec="eagle", cpu_draft_shape="best")
+        stage.run(build, spec="eagle", cpu_draft_shape="best")
 
 
 def test_dynamic_tree_on_a_release_that_has_it_both_sides(make):
     build = make("eagle", trtllm_version="1.3.0", eagle_tree="dynamic", max_draft_len=3, tree_topk=2, tree_total=5)
-    out = package.run(build, spec="eagle")
+    out = stage.run(build, spec="eagle")
     gpu = model_yaml(out)["speculative_config"]
     assert (gpu["use_dynamic_tree"], gpu["dynamic_tree_max_topK"], gpu["max_total_draft_tokens"], gpu["max_draft_len"]) == (True, 2, 5, 3)
     spec = deployment(out)["spec"]
@@ -404,11 +408,11 @@ def test_dflash_drafts_the_block_the_gpu_config_names(tmp_path, tiny_llama_dir):
     from tests.test_trtllm_llmapi import dflash_spec
 
     build = BuildDir(tmp_path / "b")
-    models.run(build, str(tiny_llama_dir))
+    resolve.run(build, str(tiny_llama_dir))
     with build.stage("spec", "spec", {}, consumes=("resolve",)) as tmp:  # what the spec stage leaves behind
         dflash_spec(tiny_llama_dir, tmp)
     convert.run(build, trtllm_version="1.3.0")
-    out = package.run(build, spec="dflash")
+    out = stage.run(build, spec="dflash")
     gpu = model_yaml(out)["speculative_config"]
     assert (gpu["decoding_type"], gpu["max_draft_len"]) == ("DFlash", 3)
     spec = deployment(out)["spec"]
@@ -417,12 +421,12 @@ def test_dflash_drafts_the_block_the_gpu_config_names(tmp_path, tiny_llama_dir):
     decoder = load_decoder(out / "cpu" / "tensorrt_llm" / "1" / "deployment.json")
     assert isinstance(decoder.proposer, DFlashProposer) and decoder.proposer.block_size == 4 and decoder.draft_len == 3
     with pytest.raises(SpecDeployError, match="differs from the chain of 3"):
-        package.run(build, spec="dflash", max_draft_len=2)
+        stage.run(build, spec="dflash", max_draft_len=2)
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto", "cuda", "cuda:1"])
 def test_device_is_recorded_as_given_and_picks_the_instance_kind(make, device):
-    out = package.run(make("none"), spec="none", device=device)
+    out = stage.run(make("none"), spec="none", device=device)
     assert deployment(out)["device"] == device  # "auto" resolves where the model loads, not here
     group = parse_config(out / "cpu" / "tensorrt_llm" / "config.pbtxt").instance_group[0]
     assert group.kind == (mc.ModelInstanceGroup.KIND_GPU if device.startswith("cuda") else mc.ModelInstanceGroup.KIND_CPU)
@@ -433,7 +437,7 @@ def test_device_is_recorded_as_given_and_picks_the_instance_kind(make, device):
 def test_the_build_limits_and_every_repository_declare_the_same_context(make):
     build = make("draft", max_draft_len=3)
     trt_build.run(build, trt_build.BuildLimits(max_seq_len=128, max_input_len=100))
-    out = package.run(build, spec="draft", max_draft_len=3)
+    out = stage.run(build, spec="draft", max_draft_len=3)
     plan = json.loads((build.path("engines") / trt_build.PLAN).read_text())
     argv = plan["commands"][0]
     assert argv[argv.index("--max_seq_len") + 1] == "128" and argv[argv.index("--max_input_len") + 1] == "100"
@@ -442,36 +446,36 @@ def test_the_build_limits_and_every_repository_declare_the_same_context(make):
         assert (param(pre, "max_input_len"), param(pre, "max_output_len")) == ("100", "128"), repo
     assert model_yaml(out)["max_seq_len"] == 128
     # without a build stage, the defaults fitted to the model's context (256 here)
-    assert model_yaml(package.run(make("none", name="other"), spec="none"))["max_seq_len"] == 256
+    assert model_yaml(stage.run(make("none", name="other"), spec="none"))["max_seq_len"] == 256
 
 
 def test_stage_is_skipped_when_complete_and_redone_when_settings_change(make):
     build = make("ngram")
-    root = package.run(build, spec="ngram").parent
+    root = stage.run(build, spec="ngram").parent
     config = root / "triton_repo" / "cpu" / "ensemble" / "config.pbtxt"
     stamp = config.stat().st_mtime_ns
-    package.run(build, spec="ngram")
+    stage.run(build, spec="ngram")
     assert config.stat().st_mtime_ns == stamp
-    package.run(build, spec="ngram", cpu_max_batch_size=2)
+    stage.run(build, spec="ngram", cpu_max_batch_size=2)
     assert parse_config(config).max_batch_size == 2
 
 
 def test_filler_rejects_a_structural_placeholder_left_unfilled():
-    assert package.fill('parameters: { key: "x" value: { string_value: "${x}" } }', {}) .count("${x}") == 1
+    assert fill('parameters: { key: "x" value: { string_value: "${x}" } }', {}) .count("${x}") == 1
     with pytest.raises(SpecDeployError, match="triton_max_batch_size"):
-        package.fill("max_batch_size: ${triton_max_batch_size}", {})
+        fill("max_batch_size: ${triton_max_batch_size}", {})
     with pytest.raises(SpecDeployError, match="choices"):
-        package.run(BuildDir("/nonexistent/build"), spec="medusa", choices=[[0, 0]])
+        stage.run(BuildDir("/nonexistent/build"), spec="medusa", choices=[[0, 0]])
 
 
 def test_backend_fill_args_round_trip_through_fill_template_parsing():
     values = {"medusa_choices": "{0, 0}, {1}", "engine_dir": "/x/y:z", "plain": "64", "weird": "a\\b,c"}
-    assert split_like_fill_template(package.backend_fill_args(values)) == values
+    assert split_like_fill_template(backend_fill_args(values)) == values
 
 
 def test_no_stream_makes_every_repository_non_decoupled(make):
     build = make("none")
-    out = package.run(build, spec="none", decoupled=False)
+    out = stage.run(build, spec="none", decoupled=False)
     engine = load_repo(out / "engine")
     assert not engine["tensorrt_llm"].model_transaction_policy.decoupled
     assert not engine["tensorrt_llm_bls"].model_transaction_policy.decoupled
@@ -480,17 +484,17 @@ def test_no_stream_makes_every_repository_non_decoupled(make):
     assert not cpu["tensorrt_llm"].model_transaction_policy.decoupled
     assert not cpu["tensorrt_llm_bls"].model_transaction_policy.decoupled
     check_ensemble_wiring(cpu)
-    assert package.gpu_routes(build)["routes"]["llmapi"]["stream"] is False
+    assert gpu_routes(build)["routes"]["llmapi"]["stream"] is False
 
 
 def test_a_standalone_package_without_convert_has_only_the_cpu_repository(tmp_path, tiny_llama_dir):
     build = BuildDir(tmp_path / "b")
-    models.run(build, str(tiny_llama_dir))
-    out = package.run(build, spec="ngram", max_draft_len=2)
+    resolve.run(build, str(tiny_llama_dir))
+    out = stage.run(build, spec="ngram", max_draft_len=2)
     assert {p.name for p in out.iterdir() if p.is_dir()} == {"cpu"}
-    assert package.gpu_routes(build)["recommended"] is None
-    assert "nothing to run on a GPU host" in package.gpu_summary(build)[0]
+    assert gpu_routes(build)["recommended"] is None
+    assert "nothing to run on a GPU host" in gpu_summary(build)[0]
     assert deployment(out)["spec"]["max_draft_len"] == 2
     shutil.rmtree(out)  # gpu_routes needs the packaged repository
     with pytest.raises(SpecDeployError, match="gpu_routes.json not found"):
-        package.gpu_routes(build)
+        gpu_routes(build)

@@ -24,12 +24,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from specdeploy import models
+from specdeploy import resolve
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import deployment_device, load_decoder
 from specdeploy.runtime.types import SamplingParams
-from specdeploy.triton import package
+from specdeploy.triton import stage
 from specdeploy.triton.measure import inprocess_speed, served_speed
 from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions, start_together
 from tests.triton_raw import StreamClient
@@ -44,8 +44,8 @@ MAX_TOKENS = 12
 def build_root(tmp_path_factory, tiny_llama_dir) -> Path:
     root = tmp_path_factory.mktemp("served") / "build"
     build = BuildDir(root)
-    models.run(build, str(tiny_llama_dir))
-    package.run(build, spec="draft", draft_model_dir=tiny_llama_dir, max_draft_len=4)
+    resolve.run(build, str(tiny_llama_dir))
+    stage.run(build, spec="draft", draft_model_dir=tiny_llama_dir, max_draft_len=4)
     return root
 
 

@@ -255,10 +255,10 @@ def dflash_spec(base: Path, out: Path) -> dict[str, torch.Tensor]:
     module.safetensors and ModelOpt's export in dflash_export/."""
     from transformers import AutoConfig
 
-    from specdeploy.spec import convert_model, module_state_dict
-    from specdeploy.spec import dflash as dflash_spec_module
-    from specdeploy.spec.common import load_offline_base, save_tensors
-    from specdeploy.spec.train import export_draft
+    from specdeploy.speculator import convert_model, module_state_dict
+    from specdeploy.speculator import dflash as dflash_spec_module
+    from specdeploy.speculator.common import load_offline_base, save_tensors
+    from specdeploy.speculator.train import export_draft
 
     config = dflash_spec_module.modelopt_config(AutoConfig.from_pretrained(base), block_size=4, anchors=8)
     model = convert_model(load_offline_base(base, torch.float32), "dflash", {**config, "dflash_offline": True})

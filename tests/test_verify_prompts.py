@@ -15,9 +15,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdeploy import data
+from specdeploy.triton.templating import TEMPLATES, copy_model
 from tests.tiny import make_llama, make_tokenizer
 
-PREPROCESSING = Path(__file__).resolve().parents[1] / "triton_repo" / "inflight_batcher_llm" / "preprocessing" / "1"
+PREPROCESSING = TEMPLATES / "inflight_batcher_llm" / "preprocessing"  # the template: package copies the prompt code in
 CHAT = "Why is the sky blue?"
 CODE = "def add(a, b):\n"
 ANSWER = "Light scatters."
@@ -45,9 +46,11 @@ def tokenizer(request, bos_dir):
 def served(monkeypatch, tokenizer, tmp_path):
     """text -> the ids the served preprocessing model (imported with a stand-in for Triton's
     pb_utils, its folder on sys.path as Triton's stub puts it) makes of it, as packaged."""
+    folder = tmp_path / "preprocessing"
+    copy_model(PREPROCESSING, folder)  # as `specdeploy package` writes it: specdeploy_prompts.py beside model.py
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace())
-    monkeypatch.syspath_prepend(str(PREPROCESSING))
-    spec = importlib.util.spec_from_file_location("specdeploy_preprocessing", PREPROCESSING / "model.py")
+    monkeypatch.syspath_prepend(str(folder / "1"))
+    spec = importlib.util.spec_from_file_location("specdeploy_preprocessing", folder / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     tokenizer.save_pretrained(tmp_path)
@@ -84,8 +87,8 @@ def test_the_served_preprocessing_gives_a_templated_prompt_one_bos(tokenizer, se
 
 
 def test_verifys_reference_reads_the_prompt_the_server_reads(tokenizer, served, bos_dir):
-    from specdeploy.models import load_causal_lm
-    from specdeploy.verify import Reference, load_prompts
+    from specdeploy.checkpoints import load_causal_lm
+    from specdeploy.verify.reference import Reference, load_prompts
 
     reference = Reference(load_causal_lm(bos_dir), tokenizer)
     for text in (_client_text(tokenizer, CHAT), CODE):
@@ -95,7 +98,7 @@ def test_verifys_reference_reads_the_prompt_the_server_reads(tokenizer, served, 
 
 
 def test_validation_and_distillation_feed_what_is_served(tokenizer, served):
-    from specdeploy.spec.validate import encode
+    from specdeploy.speculator.validate import encode
 
     assert encode(tokenizer, CHAT, "chat") == served(_client_text(tokenizer, CHAT))
     assert encode(tokenizer, CODE, "code") == served(CODE)
@@ -115,10 +118,19 @@ def test_calibration_and_the_quality_report_see_what_is_served(tokenizer, served
     would read that conversation sent as text."""
     from specdeploy.quantize.calibrate import calibration_batches
     from specdeploy.quantize.report import report_prompts
-    from specdeploy.spec.distill import _conversation_ids
+    from specdeploy.speculator.distill import _conversation_ids
 
     conversation = [{"role": "user", "content": CHAT}, {"role": "assistant", "content": ANSWER}]
     expected = served(tokenizer.apply_chat_template(conversation, tokenize=False))
     assert calibration_batches(tokenizer, 1, 512)[0][0].tolist() == expected
     assert _conversation_ids(tokenizer, conversation, 512) == expected
     assert report_prompts(tokenizer, 1) == [served(_client_text(tokenizer, CHAT))]
+
+
+def test_the_runtimes_generate_reads_what_is_served(tokenizer, served):
+    """`specdeploy generate` (Decoder.encode) encodes a prompt as the server would read it."""
+    from specdeploy.runtime.deployment import Decoder
+
+    decoder = Decoder(target=None, tokenizer=tokenizer, chat_template=True)
+    assert decoder.encode(CHAT) == served(_client_text(tokenizer, CHAT))
+    assert decoder.encode(CODE, chat=False) == served(CODE)

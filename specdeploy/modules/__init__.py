@@ -1,5 +1,5 @@
 """Speculative modules made elsewhere: read in the layouts their authors and engines publish, turned
-into the spec/ contract (specdeploy/spec/__init__.py) by the import stage, and written back out for
+into the spec/ contract (specdeploy/speculator/__init__.py) by the import stage, and written back out for
 other engines by `specdeploy export`.
 
     files.py            a module folder: config.json, tensors (safetensors; pickles only with --allow-pickle), sha256s
@@ -33,7 +33,7 @@ SPECDEPLOY = "specdeploy"  # a spec/ folder of another build
 
 def read_module(path: str | os.PathLike, *, allow_pickle: bool = False) -> tuple[Module, Folder]:
     """The module in `path`, its layout detected from the files, and the folder as read."""
-    from specdeploy.spec import SPEC_CONFIG
+    from specdeploy.checkpoints.modules import SPEC_CONFIG
 
     path = Path(path).expanduser()
     folder = read_folder(path, allow_pickle=allow_pickle)

@@ -9,7 +9,7 @@ lm_head, d2t and t2d as the authors name them.
 Missing or empty layer ids are derived by the reader (TensorRT-LLM: {1, n//2-1, n-4}; SGLang adds 1
 to the ids it reads and derives [2, n//2, n-3] inputs, the same layers). The engines run the first
 layer with hidden_norm on the fc output, whatever trained it; a folder specdeploy exported from a
-module ModelOpt trained says so with "hidden_norm_input": "input_layernorm" (spec.eagle).
+module ModelOpt trained says so with "hidden_norm_input": "input_layernorm" (speculator.eagle).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ DEFAULT_DTYPES = {"trtllm": "bfloat16", "speculators": "float32", "dflash": "flo
 
 def export(build: BuildDir, fmt: str, out: Path, *, dtype: str | None = None, verifier: str | None = None) -> Path:
     """Write the build's module to `out` in `fmt`; returns `out`."""
-    from specdeploy.spec import read_spec_config
+    from specdeploy.checkpoints.modules import read_spec_config
 
     spec_dir, base_dir = build.path("spec"), build.path("base")
     kind = read_spec_config(spec_dir)["kind"]
@@ -84,7 +84,7 @@ def _speculators(build: BuildDir, spec_dir: Path, base_dir: Path, out: Path, dty
 
 def notes(build: BuildDir) -> list[str]:
     """What an engine will run differently from the CPU runtime, said when exporting."""
-    from specdeploy.spec import read_spec_config
+    from specdeploy.checkpoints.modules import read_spec_config
     from specdeploy.trtllm.llmapi import first_layer_fields
 
     config: dict[str, Any] = read_spec_config(build.path("spec"))

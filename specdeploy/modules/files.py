@@ -33,7 +33,7 @@ class Folder:
 
 def weight_files(path: Path, allow_pickle: bool) -> list[Path]:
     """The folder's weight files: its safetensors, else (with allow_pickle) its pickles."""
-    from specdeploy.models import pickle_files, refuse_pickles
+    from specdeploy.resolve.local import pickle_files, refuse_pickles
 
     found = sorted(path.glob("*.safetensors"))
     if found:

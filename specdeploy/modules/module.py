@@ -1,6 +1,6 @@
 """One speculative module, whatever layout it came in: the facts every layout records in its own
 names, and its tensors in ModelOpt's names (the spec/ contract's module.safetensors without the
-kind's prefix: specdeploy/spec/__init__.py).
+kind's prefix: specdeploy/speculator/__init__.py).
 
 Layer numbering: `layers` are the base's decoder layers whose outputs the module reads, 0-based
 (ModelOpt's eagle_aux_hidden_state_layer_ids and TensorRT-LLM's eagle3_layers_to_capture, z-lab's
@@ -37,7 +37,7 @@ class Module:
     rope_theta: float | None = None
     rope_scaling: dict[str, Any] | None = None  # None: plain RoPE
     draft_vocab_size: int | None = None  # EAGLE-3: None = the target's
-    hidden_norm_input: str = "fc"  # EAGLE-3 first layer (spec.eagle.HIDDEN_NORM_INPUTS)
+    hidden_norm_input: str = "fc"  # EAGLE-3 first layer (checkpoints.modules.eagle.HIDDEN_NORM_INPUTS)
     norm_before_residual: bool = False  # EAGLE-3 first layer: the residual is the normed hidden state
     block_size: int | None = None  # DFlash
     mask_token_id: int | None = None  # DFlash

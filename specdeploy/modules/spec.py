@@ -1,4 +1,4 @@
-"""A Module and the spec/ contract (specdeploy/spec/__init__.py), both ways, and the checks that
+"""A Module and the spec/ contract (specdeploy/speculator/__init__.py), both ways, and the checks that
 decide whether a module may run beside a base at all: what differs is said before anything is
 written, with what to pass.
 
@@ -20,7 +20,7 @@ from typing import Any
 from specdeploy.errors import SpecDeployError
 from specdeploy.modules.dflash import default_layers as dflash_default_layers
 from specdeploy.modules.module import Module, rope_of
-from specdeploy.spec import eagle as eagle_spec
+from specdeploy.checkpoints.modules import eagle as eagle_spec
 
 PREFIXES = {"medusa": "medusa_heads.", "eagle": "eagle_module.", "dflash": "dflash_module."}
 ACCEPTABLE = ("verifier", "rope")  # differences a user may vouch for (--module-accept)
@@ -240,7 +240,7 @@ def modelopt_config(module: Module) -> dict[str, Any]:
 
 def spec_config(module: Module, base_dir: Path, base: Base, provenance: dict[str, Any]) -> dict[str, Any]:
     """spec_config.json for an imported module: what a trained one records, less the training."""
-    from specdeploy.spec.train import TrainSettings, default_choices
+    from specdeploy.speculator.train import TrainSettings, default_choices
 
     config: dict[str, Any] = {"format_version": 1, "kind": module.kind, "modelopt_config": modelopt_config(module),
                               "base_model": str(base_dir), "imported": provenance}
@@ -267,8 +267,8 @@ def from_spec(spec_dir: Path) -> Module:
     """The module a spec/ folder holds (trained or imported), its vocabulary the base's (unstated)."""
     from safetensors.torch import load_file
 
-    from specdeploy.spec import MODULE_FILE, read_spec_config
-    from specdeploy.spec.eagle import first_layer_norms
+    from specdeploy.checkpoints.modules import MODULE_FILE, read_spec_config
+    from specdeploy.checkpoints.modules.eagle import first_layer_norms
 
     config = read_spec_config(spec_dir)
     kind, modelopt = config["kind"], config["modelopt_config"]
@@ -301,13 +301,13 @@ def check_fits(module: Module, base_dir: Path) -> None:
     import torch
     from transformers import AutoConfig
 
-    from specdeploy.runtime.proposers.dflash import _converted
-    from specdeploy.spec import load_module_model, module_state_dict
+    from specdeploy.speculator import load_module_model, module_state_dict
+    from specdeploy.speculator.dflash import converted
 
     base_config = AutoConfig.from_pretrained(base_dir)
     config = modelopt_config(module)
     with torch.device("meta"):
-        model = (_converted(base_config, config, 0) if module.kind == "dflash" else
+        model = (converted(base_config, config, 0) if module.kind == "dflash" else
                  load_module_model(base_config, module.kind, config))
     expected = {k.removeprefix(PREFIXES[module.kind]): tuple(v.shape) for k, v in module_state_dict(model, module.kind).items()}
     found = {k: tuple(v.shape) for k, v in module.tensors.items()}

@@ -99,7 +99,7 @@ def write(module: Module, out: Path, *, verifier: str, verifier_architectures: l
     import torch
 
     from specdeploy.fileio import atomic_write_json
-    from specdeploy.spec.common import save_tensors
+    from specdeploy.speculator.common import save_tensors
 
     tensors = dict(module.tensors)
     if module.kind == "eagle":

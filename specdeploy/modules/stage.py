@@ -84,9 +84,9 @@ def write_spec(module: Module, source: Path, base_dir: Path, out: Path, files: d
                trust_remote_code: bool = False) -> None:
     """spec_config.json + module.safetensors, and ModelOpt's export of EAGLE-3 / DFlash beside them."""
     from specdeploy.modules.spec import Base, spec_config, spec_tensors
-    from specdeploy.spec import MODULE_FILE, SPEC_CONFIG
-    from specdeploy.spec.common import save_tensors
-    from specdeploy.spec.train import EXPORTS, export_draft
+    from specdeploy.checkpoints.modules import MODULE_FILE, SPEC_CONFIG
+    from specdeploy.speculator.common import save_tensors
+    from specdeploy.speculator.train import EXPORTS, export_draft
 
     provenance = {"layout": module.layout, "source": str(source), "files": files, "verifier": module.verifier,
                   "verifier_architectures": module.verifier_architectures}
@@ -103,8 +103,8 @@ def gate(base_dir: Path, spec_dir: Path, module: Module, floor: float, *, device
          trust_remote_code: bool = False) -> float | None:
     """Acceptance length on GATE_PROMPTS held-out chat prompts (float32), recorded in spec_config.json;
     under `floor` the module is refused with the likely causes. None: not gated (Medusa, floor 0)."""
-    from specdeploy.spec import SPEC_CONFIG
-    from specdeploy.spec.validate import load_for_validation, measure, overall
+    from specdeploy.checkpoints.modules import SPEC_CONFIG
+    from specdeploy.speculator.validate import load_for_validation, measure, overall
 
     if module.kind == "medusa" or floor <= 0:
         return None

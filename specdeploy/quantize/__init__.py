@@ -26,7 +26,7 @@ Layout of build/<name>/quantized/ (read by specdeploy.trtllm.convert and by load
                              module.safetensors with the module's quantized linears in the same
                              naming as above (<m>.weight fp8, <m>.weight_scale, <m>.input_scale)
 
-The checkpoint is served (runtime, Triton model, verify, bench) by quantize.loader, with the
+The checkpoint is served (runtime, Triton model, verify, bench) by checkpoints.quantized, with the
 numerics it was calibrated with, on any device: see that module.
 
 One job per module; the runtime imports only the first two:

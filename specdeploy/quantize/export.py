@@ -19,7 +19,7 @@ NOT_CARRIED = ("config.json", "model.safetensors.index.json", "specdeploy_source
 def load_base(base_dir: Path, dtype: str, placement: Placement, trust_remote_code: bool = False) -> nn.Module:
     """A fresh instance of the base in `dtype` where `placement` says, ready to quantize and
     export: ModelOpt's export mutates it, so every export needs its own."""
-    from specdeploy.models import load_causal_lm
+    from specdeploy.checkpoints import load_causal_lm
 
     model = load_causal_lm(base_dir, dtype, device=placement.device, device_map=placement.device_map,
                            trust_remote_code=trust_remote_code)

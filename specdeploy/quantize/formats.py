@@ -26,10 +26,4 @@ EXCLUDED_NAMES = ("lm_head", "output_layer", "embed")  # never quantized by the 
 # keeps or quantizes each group as a whole.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-# What the activations of a quantized Linear are fake-quantized to, per exported quant_algo: the
-# formats the project's loader serves (quantize.loader).
-ACT_FORMAT = {"FP8": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "W4A16_AWQ": None, "W4A8_AWQ": "fp8"}
-# Exported quant_algos with dynamic FP4 block quantization: ModelOpt runs them only on CUDA and the
-# project's loader does not implement them, so only TensorRT-LLM serves them.
-FP4_ALGOS = ("NVFP4", "W4A8_NVFP4_FP8", "NVFP4_AWQ")
 FP4_QFORMATS = ("nvfp4",)

@@ -14,8 +14,8 @@ from torch import nn
 
 from specdeploy.prompts import chat_ids
 from specdeploy.quantize.export import load_base
-from specdeploy.quantize.formats import FP4_ALGOS
-from specdeploy.quantize.loader import load_quantized, read_quant_config
+from specdeploy.checkpoints.quant_algos import FP4_ALGOS
+from specdeploy.checkpoints.quantized import load_quantized, read_quant_config
 from specdeploy.quantize.placement import Placement
 from specdeploy.runtime.types import acceptance_length, model_device
 
@@ -87,7 +87,7 @@ def count_acceptance(target: nn.Module, spec_dir: Path | None, prompts: list[lis
     accepted draft tokens, summed over the prompts."""
     from specdeploy.quantize.spec_module import apply_spec_quantization
     from specdeploy.runtime.proposers import build_proposer
-    from specdeploy.spec import read_spec_config
+    from specdeploy.checkpoints.modules import read_spec_config
 
     if spec_dir is None:
         proposer = build_proposer("ngram", target)
@@ -110,7 +110,7 @@ def quality_report(base_dir: Path, quant_dir: Path, *, dtype: str = "bfloat16", 
     """Quantized vs unquantized on held-out ShareGPT (never seen in calibration), both in `dtype`
     where `placement` says."""
     from specdeploy.data import heldout_texts
-    from specdeploy.models import load_tokenizer
+    from specdeploy.checkpoints import load_tokenizer
 
     quant = read_quant_config(quant_dir)
     report: dict[str, Any] = {"quant_algo": quant.get("quant_algo"), "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
@@ -160,7 +160,7 @@ def _acceptance_report(base: nn.Module, quantized: nn.Module, spec_dir: Path | N
 
 
 def _spec_kind(spec_dir: Path) -> str:
-    from specdeploy.spec import read_spec_config
+    from specdeploy.checkpoints.modules import read_spec_config
 
     return read_spec_config(spec_dir)["kind"]
 

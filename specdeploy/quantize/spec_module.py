@@ -13,7 +13,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
 from specdeploy.quantize.calibrate import forward_loop
 from specdeploy.quantize.export import load_base
-from specdeploy.quantize.loader import apply_quantized_tensors, read_quant_config
+from specdeploy.checkpoints.quantized import apply_quantized_tensors, read_quant_config
 from specdeploy.quantize.placement import Placement
 
 SPEC_PREFIXES = {"medusa": "medusa_heads", "eagle": "eagle_module"}
@@ -67,7 +67,8 @@ def quantize_spec_module(base_dir: Path, spec_dir: Path, out: Path, batches: lis
     import modelopt.torch.quantization as mtq
     from safetensors.torch import save_file
 
-    from specdeploy.spec import load_spec_model, read_spec_config
+    from specdeploy.checkpoints.modules import read_spec_config
+    from specdeploy.speculator import load_spec_model
 
     config = read_spec_config(spec_dir)
     prefix = SPEC_PREFIXES[config["kind"]]
@@ -90,7 +91,7 @@ def apply_spec_quantization(proposer: Any, quant_spec_dir: Path) -> Any:
     engine would have."""
     from safetensors.torch import load_file
 
-    from specdeploy.spec import read_spec_config
+    from specdeploy.checkpoints.modules import read_spec_config
 
     prefix = SPEC_PREFIXES[read_spec_config(quant_spec_dir)["kind"]] + "."
     root = getattr(proposer, "heads", None) if prefix.startswith("medusa") else getattr(proposer, "module", None)

@@ -15,12 +15,12 @@ from specdeploy.device import add_device_arg, announce, fast_dtype, resolve_devi
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
-from specdeploy.models import checkpoint_dtype, load_tokenizer
+from specdeploy.checkpoints import checkpoint_dtype, load_tokenizer
 from specdeploy.quantize.calibrate import calibration_batches, quantize_model
 from specdeploy.quantize.config import check_block_size, check_exclude_format, check_format, excluded_linears, quant_config
 from specdeploy.quantize.export import copy_tokenizer_files, export_checkpoint, load_base
 from specdeploy.quantize.formats import DEPLOY_DTYPES, FP4_QFORMATS, KV_CACHE
-from specdeploy.quantize.loader import torch_dtype
+from specdeploy.checkpoints.quantized import torch_dtype
 from specdeploy.quantize.placement import Placement, place
 from specdeploy.quantize.report import quality_report, report_markdown
 from specdeploy.quantize.spec_module import quantize_spec_module
@@ -106,7 +106,7 @@ def _quantize_into(out: Path, base_dir: Path, spec_dir: Path | None, settings: d
         "calibration": {"sequences": len(batches), "tokens": sum(b.shape[1] for b in batches), "seconds": round(calib_seconds, 1),
                         "device_map": calibration.device_map},
         "runtime_loadable": settings["qformat"] not in FP4_QFORMATS,
-        "note": "load with specdeploy.models.load_causal_lm (dequantized weights + static fake-quantized inputs/KV)",
+        "note": "load with specdeploy.checkpoints.load_causal_lm (dequantized weights + static fake-quantized inputs/KV)",
     })
     if report_placement is not None:
         _write_report(out, base_dir, spec_dir, quant_spec_dir, settings, report_placement, trust_remote_code)

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _decoder(args: argparse.Namespace):
-    from specdeploy.models import resolve_model_dir
+    from specdeploy.resolve import resolve_model_dir
     from specdeploy.runtime.deployment import Decoder, load_decoder, load_model, make_proposer
 
     if args.deployment:

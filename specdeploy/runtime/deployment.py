@@ -18,6 +18,7 @@ import torch
 
 from specdeploy.device import check_device_spec, resolve_device
 from specdeploy.errors import SpecDeployError
+from specdeploy.prompts import chat_ids, text_ids
 from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.proposers import build_proposer
@@ -25,10 +26,10 @@ from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams,
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu") -> tuple[Any, Any]:
-    """The target model on `device` and its tokenizer (the one switch point to specdeploy.models),
+    """The target model on `device` and its tokenizer (the one switch point to specdeploy.checkpoints),
     its attention through specdeploy.attention's CPU sdpa (faster on the CPU, the same elsewhere)."""
     from specdeploy.attention import use_cpu_sdpa
-    from specdeploy.models import load_causal_lm, load_tokenizer
+    from specdeploy.checkpoints import load_causal_lm, load_tokenizer
 
     return use_cpu_sdpa(load_causal_lm(path, dtype=dtype, device=str(device))), load_tokenizer(path)
 
@@ -101,13 +102,10 @@ class Decoder:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
-        """Token ids of `prompt`, wrapped in the chat template when asked and there is one."""
-        if (self.chat_template if chat is None else chat) and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+        """Token ids of `prompt` as the served preprocessing makes them (specdeploy.prompts),
+        wrapped in the chat template when asked and there is one."""
+        use_chat = self.chat_template if chat is None else chat
+        return chat_ids(self.tokenizer, prompt) if use_chat else text_ids(self.tokenizer, prompt)
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams,
                      on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:

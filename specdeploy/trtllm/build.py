@@ -16,7 +16,7 @@ uses the paged context FMHA for KV reuse; FP8 KV cache -> --use_fp8_context_fmha
 and INT8 SQ need no flag: builder.py enables their GEMM plugins from the checkpoint's quantization
 (formats.py), and the command line has no flag for either. --max_seq_len and
 --max_input_len never exceed the model's context (max_position_embeddings): the Triton
-repositories declare the same numbers (triton/package.py).
+repositories declare the same numbers (triton/build_inputs.py serving_limits).
 """
 
 from __future__ import annotations

@@ -317,9 +317,9 @@ def export_eagle3(base_dir: Path, spec_dir: Path, out: Path) -> Path:
 
 def first_layer_fields(spec_config: dict[str, Any] | None) -> dict[str, Any]:
     """The first layer's norms where they are not what TensorRT-LLM computes (hidden_norm on the fc
-    output, residual un-normed: spec.eagle.HIDDEN_NORM_INPUTS): the draft folder says so (engines
+    output, residual un-normed: checkpoints.modules.eagle.HIDDEN_NORM_INPUTS): the draft folder says so (engines
     ignore the keys; specdeploy's import reads them back). Empty for an engine-shaped module."""
-    from specdeploy.spec.eagle import first_layer_norms
+    from specdeploy.checkpoints.modules.eagle import first_layer_norms
 
     arch = ((spec_config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
     source, before_residual = first_layer_norms(arch)
@@ -389,7 +389,7 @@ def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, structure: Draf
     out.mkdir(parents=True, exist_ok=True)
     spec_cfg = None
     if spec.kind != "none":
-        from specdeploy.models import checkpoint_dtype
+        from specdeploy.checkpoints import checkpoint_dtype
 
         # the drafter in the target's half dtype; bf16 beside a float32 target (TensorRT-LLM's kernels lack
         # float32: NVIDIA/TensorRT-LLM#5260)

@@ -1,8 +1,9 @@
 """DFlash proposer: a ModelOpt-trained DFlash module drafts a whole block in one forward pass.
 
-The module (ModelOpt's DFlashModule, converted with `mtsp.convert(model, [("dflash", cfg)])`)
-reads the target's hidden states at `target_layer_ids`, fused by `fc` + `hidden_norm`, and injects
-them as extra keys/values into each of its layers. A round runs one non-causal forward over the
+The module (ModelOpt's DFlashModule, trained after `mtsp.convert(model, [("dflash", cfg)])`; served
+as specdeploy.checkpoints.modules.dflash rebuilds it, without ModelOpt) reads the target's hidden
+states at `target_layer_ids`, fused by `fc` + `hidden_norm`, and injects them as extra
+keys/values into each of its layers. A round runs one non-causal forward over the
 block [pending token, mask, ..., mask] at positions c..c+B-1 (c = tokens the target has consumed);
 the target's own lm_head turns block rows 1..B-1 into B-1 draft tokens, a chain.
 
@@ -13,13 +14,13 @@ module cache does), and the block itself is never cached.
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from specdeploy.checkpoints.modules import base_rope_theta
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.proposers.head import RestrictedHead, restricted_head
 from specdeploy.runtime.sampling import sample, warp
@@ -147,6 +148,10 @@ def modelopt_config(
         "head_dim": getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
         "intermediate_size": intermediate_size or target_config.intermediate_size,
         "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+        # the draft attends over the target's injected K/V, so it needs the target's RoPE base, and
+        # ModelOpt's export writes that base; ModelOpt 0.47 copies it only from a config attribute,
+        # which transformers 5 no longer has (rope_parameters): without this it trains at 10000
+        "rope_theta": base_rope_theta(target_config),
     }
     if target_layer_ids is not None:
         arch["target_layer_ids"] = list(target_layer_ids)
@@ -158,28 +163,6 @@ def modelopt_config(
     }
 
 
-def _converted(target_config: Any, config: dict[str, Any], seed: int) -> Any:
-    """A converted skeleton of the target, its base layers on the meta device (no memory): ModelOpt
-    checks target_layer_ids against the real layer count, so the skeleton keeps every layer."""
-    import modelopt.torch.speculative as mtsp
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(target_config))
-    torch.manual_seed(seed)  # the module is built (and initialized) on the CPU, outside the meta context
-    mtsp.convert(skeleton, [("dflash", copy.deepcopy(config))])
-    return skeleton
-
-
-def _unsupported(skeleton: Any) -> str | None:
-    for name, value, default in (("dflash_swa_window_size", skeleton.dflash_swa_window_size, None),
-                                 ("dflash_draft_attention", skeleton.dflash_draft_attention, "bidirectional"),
-                                 ("dflash_attention_sink", skeleton.dflash_attention_sink, False)):
-        if value != default:
-            return f"{name}={value!r}"
-    return None
-
-
 def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None, head_rows: int | None = None,
@@ -189,12 +172,13 @@ def build(
 
     spec/ holds spec_config.json {"kind": "dflash", "modelopt_config": the dict given to
     mtsp.convert} and module.safetensors (the `dflash_module.*` tensors): the spec stage's
-    contract (specdeploy/spec/__init__.py). A fresh module drafts
+    contract (specdeploy/checkpoints/modules/__init__.py). A fresh module drafts
     `block_size` - 1 tokens; its mask token defaults to the last id of the vocabulary.
     `head_rows`: greedy drafts take their top-1 over that many common ids plus the request's own
     tokens instead of the target's full head (head.py); None: the full head.
     """
-    from specdeploy.spec import load_module_weights, read_spec_config
+    from specdeploy.checkpoints.modules import load_module
+    from specdeploy.checkpoints.modules import read_spec_config
 
     spec_dir = spec_dir if spec_dir is not None else path
     if spec_dir is not None:
@@ -208,16 +192,14 @@ def build(
             raise SpecDeployError(f"DFlash block_size must be >= 2, got {block_size}", hint="a block is the pending token plus drafts")
         mask = target.config.vocab_size - 1 if mask_token_id is None else mask_token_id
         config = modelopt_config(target.config, mask_token_id=mask, block_size=block_size)
-    skeleton = _converted(target.config, config, seed)
-    problem = _unsupported(skeleton)
-    if problem:
-        raise SpecDeployError(f"the runtime's DFlash proposer does not implement {problem}",
-                              hint="train the module with full context attention and bidirectional blocks")
-    if spec_dir is not None:
-        load_module_weights(skeleton, "dflash", spec_dir)  # checks the keys against the config
-    module = skeleton.dflash_module.to(device=model_device(target), dtype=next(target.parameters()).dtype).eval()
+    mask = config.get("dflash_mask_token_id")
+    if mask is None:
+        raise SpecDeployError(f"{spec_dir}: the DFlash module names no dflash_mask_token_id",
+                              hint="train it with the spec stage, which records the mask token")
+    # refuses what the proposer does not implement; spec_dir's keys checked against the config
+    module = load_module("dflash", target.config, config, spec_dir, dtype=next(target.parameters()).dtype,
+                         device=model_device(target), seed=seed)
     # output_hidden_states indexing: layer l's output is entry l + 1 (0 = embeddings)
-    layers = tuple(layer + 1 for layer in skeleton.target_layer_ids)
+    layers = tuple(layer + 1 for layer in module.config.target_layer_ids)
     return DFlashProposer(module, target.get_input_embeddings(), target.get_output_embeddings(), layers,
-                          block_size=skeleton.dflash_block_size, mask_token_id=skeleton.mask_token_id,
-                          head=restricted_head(target, head_rows))
+                          block_size=module.block_size, mask_token_id=int(mask), head=restricted_head(target, head_rows))

@@ -144,7 +144,7 @@ def build(
     if draft_model is None:
         if draft_model_dir is None:
             raise SpecDeployError("the draft proposer needs a draft model", hint="set draft_model_dir (--draft)")
-        from specdeploy.models import load_causal_lm, load_tokenizer
+        from specdeploy.checkpoints import load_causal_lm, load_tokenizer
 
         draft_model = use_cpu_sdpa(load_causal_lm(draft_model_dir, dtype=str(target.dtype).removeprefix("torch."),
                                                   device=device))

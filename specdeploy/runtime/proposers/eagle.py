@@ -1,4 +1,5 @@
-"""EAGLE-3 proposer: the ModelOpt-trained eagle_module drafting from the target's own features.
+"""EAGLE-3 proposer: the ModelOpt-trained eagle_module drafting from the target's own features
+(rebuilt without ModelOpt: specdeploy.checkpoints.modules.eagle).
 
 Each round the module first ingests the positions the target consumed since the last round
 (fc(three target layers) paired with the embedding of the token that followed, kept in the
@@ -504,8 +505,8 @@ def _select_rows(cache: Any, index: torch.Tensor, config: Any) -> Any:
 
 
 def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: int | None, seed: int):
-    from specdeploy.spec import eagle as eagle_spec
-    from specdeploy.spec import load_module_model, read_spec_config
+    from specdeploy.checkpoints.modules import eagle as eagle_spec
+    from specdeploy.checkpoints.modules import load_module, read_spec_config
 
     if spec_dir is not None:
         config = read_spec_config(spec_dir)
@@ -515,11 +516,11 @@ def _module_from(target: Any, spec_dir: str | os.PathLike | None, draft_vocab: i
     else:
         config = {}
         modelopt_config = eagle_spec.modelopt_config(target.config, draft_vocab_size=draft_vocab or target.config.vocab_size)
-    dtype = next(target.parameters()).dtype
-    skeleton = load_module_model(target.config, "eagle", modelopt_config, spec_dir, dtype=dtype, seed=seed)
+    # beside the target's embeddings, which it reads every round; in the target's dtype
+    module = load_module("eagle", target.config, modelopt_config, spec_dir, dtype=next(target.parameters()).dtype,
+                         device=model_device(target), seed=seed)
     layers = config.get("hidden_layers") or eagle_spec.hidden_layers(target.config.num_hidden_layers)
-    # beside the target's embeddings, which it reads every round (the skeleton's base stays behind)
-    return use_cpu_sdpa(skeleton.eagle_module.to(model_device(target))), tuple(layers), config
+    return use_cpu_sdpa(module), tuple(layers), config
 
 
 def build(

@@ -73,8 +73,8 @@ class MedusaProposer(Proposer):
 
 
 def _heads_from(target: Any, spec_dir: str | os.PathLike | None, num_heads: int, num_layers: int, seed: int) -> tuple[torch.nn.ModuleList, dict]:
-    from specdeploy.spec import load_module_model, read_spec_config
-    from specdeploy.spec import medusa as medusa_spec
+    from specdeploy.checkpoints.modules import load_module, read_spec_config
+    from specdeploy.checkpoints.modules import medusa as medusa_spec
 
     if spec_dir is not None:
         config = read_spec_config(spec_dir)
@@ -83,11 +83,10 @@ def _heads_from(target: Any, spec_dir: str | os.PathLike | None, num_heads: int,
         modelopt_config = config["modelopt_config"]
     else:
         config, modelopt_config = {}, medusa_spec.modelopt_config(num_heads, num_layers)
-    dtype = next(target.parameters()).dtype
-    skeleton = load_module_model(target.config, "medusa", modelopt_config, spec_dir, dtype=dtype, seed=seed)
     lm_head = target.get_output_embeddings().weight
     # beside the lm_head: the heads read the last hidden state, which the target computes there
-    heads = skeleton.medusa_heads.to(lm_head.device)
+    heads = load_module("medusa", target.config, modelopt_config, spec_dir, dtype=next(target.parameters()).dtype,
+                        device=lm_head.device, seed=seed)
     if spec_dir is None:  # untrained: start each head at the target's own lm_head, like training does
         with torch.no_grad():
             for head in heads:

@@ -1,0 +1,45 @@
+"""A Hugging Face causal LM folder and its tokenizer, loaded for computing (any stage, the runtime)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(path), trust_remote_code=trust_remote_code)
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike) -> str:
+    """The dtype a Hugging Face checkpoint was saved in (config.json), float32 when unstated."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return dtype if dtype in ("float32", "bfloat16", "float16", "float64") else "float32"
+
+
+def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", *, device: "str | torch.device" = "cpu",
+                   device_map: str | dict[str, Any] | None = None, trust_remote_code: bool = False) -> Any:
+    """An HF causal LM in eval mode with sdpa attention, its weights loaded straight onto `device`
+    (auto|cpu|cuda|cuda:N), or spread by accelerate with `device_map` ("auto": over every visible
+    GPU, for a model that does not fit one; the caller decides from the memory preflight).
+    A quantize-stage checkpoint (hf_quant_config.json) loads fake-quantized, with the numerics it
+    was calibrated with, the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from specdeploy.device import resolve_device
+    from specdeploy.checkpoints.quantized import load_quantized, torch_dtype
+
+    path = Path(path)
+    if (path / "hf_quant_config.json").is_file():
+        return load_quantized(path, dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(dtype), attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+        device_map=device_map or {"": resolve_device(device)})
+    return model.eval()

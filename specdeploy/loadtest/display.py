@@ -1,0 +1,78 @@
+"""What the load test shows: the plot (throughput and speed-up, TTFT vs concurrency), the
+terminal table, and the spec_off_above suggestion the speed-up curve makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from specdeploy.loadtest.report import SPEC
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Tokens/s of both arms and the speed-up (second axis) vs concurrency; TTFT p99 (all requests, and
+    past the cold start) vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [e["concurrency"] for e in report["levels"]]
+    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm in report["arms"]:
+        tput.plot(levels, [e[arm]["output_tokens_per_s"] for e in report["levels"]], "o-", label=arm)
+        line, = ttft.plot(levels, [(e[arm]["ttft_s"]["p99"] or 0) * 1000 for e in report["levels"]], "o-", label=arm)
+        ttft.plot(levels, [(e[arm]["ttft_steady_s"]["p99"] or 0) * 1000 for e in report["levels"]], "o--",
+                  color=line.get_color(), label=f"{arm}, steady")
+    tput.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
+    ttft.set(xscale="log", xlabel="concurrency", ylabel="TTFT p99 (ms)", title="Time to first token")
+    if all(e["speedup"] is not None for e in report["levels"]):
+        speed = tput.twinx()
+        speed.plot(levels, [e["speedup"] for e in report["levels"]], "s--", color="k", label="speed-up")
+        speed.axhline(1.0, color="gray", lw=0.8)
+        speed.set(ylabel="speed-up (speculative / autoregressive)", ylim=(0, None))
+        speed.legend(loc="upper right")
+    for ax in (tput, ttft):
+        ax.minorticks_off()
+        ax.set_xticks(levels, [str(level) for level in levels])
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(report: dict[str, Any], title: str) -> Table:
+    out = Table(title=title)
+    for column in ("conc", "arm", "tok/s", "req/s", "TTFT p50/p99 ms", "steady TTFT", "TPOT p50/p99 ms",
+                   "ITL p50/p99 ms", "accept len", "identical", "errors", "speed-up"):
+        out.add_column(column, justify="left" if column == "arm" else "right")
+    ms = lambda p: "/".join("-" if p[k] is None else f"{p[k] * 1000:.0f}" for k in ("p50", "p99"))  # noqa: E731
+    for entry in report["levels"]:
+        for arm in report["arms"]:
+            f = entry[arm]
+            speedup = speedup_cell(entry) if arm == SPEC else ""
+            out.add_row(str(entry["concurrency"]), arm, f"{f['output_tokens_per_s']:.1f}", f"{f['requests_per_s']:.2f}",
+                        ms(f["ttft_s"]), ms(f["ttft_steady_s"]), ms(f["tpot_s"]), ms(f["itl_s"]),
+                        f"{f['acceptance_length']:.2f}",
+                        f"{f['identical']}/{f['compared']}", str(f["errors"]), speedup)
+    return out
+
+
+def speedup_cell(entry: dict[str, Any]) -> str:
+    """'1.08x', and the passes' range where there were several: '1.08x (0.97-1.19)'."""
+    if entry["speedup"] is None:
+        return ""
+    passes = entry["pass_speedups"]
+    return f"{entry['speedup']:.2f}x" + (f" ({min(passes):.2f}-{max(passes):.2f})" if len(passes) > 1 else "")
+
+
+def suggestion(off_above: int | None) -> str:
+    if off_above is None:
+        return "speculation paid at every level swept: keep the deployment as it is (no spec_off_above)"
+    why = ("speculation did not pay even alone: spec_off_above 0 serves plainly until the module accepts more"
+           if off_above == 0 else f"batches of more than {off_above} sequences then decode plainly")
+    return (f"suggested: spec_off_above {off_above} ({why}); package with --spec-off-above {off_above}, "
+            f'or make engine ENGINE_ARGS="--spec-off-above {off_above}"')

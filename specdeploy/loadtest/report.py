@@ -1,0 +1,52 @@
+"""The load test's report from a sweep's results: per-level figures of both arms, the speed-up
+curve, break-even concurrency and the suggested spec_off_above, and pass/fail (errors, outputs that
+differ from their solo run under the deployment's parity rule)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from specdeploy.loadtest.figures import DEFINITIONS, measure, summarize_level
+from specdeploy.loadtest.near_ties import disputed_outputs
+from specdeploy.loadtest.sending import Results
+from specdeploy.runtime.planner import break_even, suggested_spec_off_above
+
+SPEC, AR = "speculative", "autoregressive"
+
+
+Judge = Callable[[list[tuple[int, str]]], dict[str, Any]]
+
+
+def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str, judge: Judge | None = None) -> dict[str, Any]:
+    """Rows, per-level figures, the speed-up curve, break-even, pass/fail. Outside the exact rule,
+    `judge` rules on the outputs that differ from their solo run (judge_near_ties)."""
+    rows = {arm: {level: [measure(t, tokenizer) for t in timed] for level, (timed, _) in by_level.items()}
+            for arm, by_level in results.items()}
+    reference = list(results)[-1]  # the autoregressive arm, when there is one
+    solo = rows[reference][min(rows[reference])]  # concurrency 1, or the solo pass (key 0)
+    expected = {r["prompt"]: r["text"] for r in solo if r["error"] is None}
+    report_levels = []
+    for level in levels:
+        entry: dict[str, Any] = {"concurrency": level}
+        for arm in results:
+            entry[arm] = summarize_level(rows[arm][level], results[arm][level][1], expected)
+        both = SPEC in entry and AR in entry and min(entry[AR]["pass_tokens_per_s"]) > 0
+        entry["speedup"] = entry[SPEC]["output_tokens_per_s"] / entry[AR]["output_tokens_per_s"] if both else None
+        entry["pass_speedups"] = ([spec / ar for spec, ar in zip(entry[SPEC]["pass_tokens_per_s"], entry[AR]["pass_tokens_per_s"])]
+                                  if both else None)
+        report_levels.append(entry)
+    best_pass = [None if e["pass_speedups"] is None else max(e["pass_speedups"]) for e in report_levels]
+    figures = [entry[arm] for entry in report_levels for arm in results]
+    solo_errors = sum(r["error"] is not None for r in rows[reference].get(0, []))  # the solo pass, when there was one
+    errors = sum(f["errors"] for f in figures) + solo_errors
+    mismatches = sum(f["compared"] - f["identical"] for f in figures)
+    near_tie = judge(disputed_outputs(figures, expected)) if mismatches and rule != "exact" and judge else None
+    return {
+        "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
+        "solo_reference": rows[reference].get(0),
+        # a level stops paying only where speculation lost in every pass
+        "break_even_concurrency": break_even(levels, best_pass),
+        "spec_off_above": suggested_spec_off_above(levels, best_pass),
+        "errors": errors, "mismatches": mismatches, "near_tie": near_tie,
+        "ok": errors == 0 and (mismatches == 0 or rule != "exact") and (near_tie is None or near_tie["ok"]),
+    }

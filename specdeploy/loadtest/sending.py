@@ -1,0 +1,151 @@
+"""Sending the load: a sweep's plan (prompts, lengths, requests per level, arrivals), one worker
+thread per client taking requests in order (closed loop, or Poisson arrivals for the open loop),
+each request timed as the client saw it, and the sweep over levels and passes with the arms'
+order alternating (ABBA)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from specdeploy.client import Request, TritonLLMClient
+
+MIN_REQUESTS, REQUESTS_PER_CLIENT = 8, 3  # the default requests per arm, level and pass (Sweep.requests_at)
+
+
+def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """When each request may be sent (s after the level starts): all at once (rate None), or a
+    Poisson process of `rate` requests/s. Seeded: both arms see the same arrivals."""
+    if rate is None:
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, max(n - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+
+@dataclass
+class Timed:
+    """One request as the client saw it; tokens are counted after the level, off the clock."""
+
+    prompt: int
+    start_s: float  # after its pass of the level started
+    latency_s: float = 0.0
+    # each streamed chunk's arrival after the send, as the client's on_text sees it (a busy client
+    # thread can see a few chunks at once: at a few ms per token the gaps bunch up)
+    chunk_s: list[float] = field(default_factory=list)
+    chunks: list[str] = field(default_factory=list)
+    perf: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    cold: bool = False  # one of the pass's first `concurrency` requests (DEFINITIONS["ttft_steady_s"])
+
+
+def send(client: TritonLLMClient, prompt: int, text: str, max_tokens: int, level_start: float) -> Timed:
+    timed = Timed(prompt, time.perf_counter() - level_start)
+    sent = time.perf_counter()
+    stamp = lambda _: timed.chunk_s.append(time.perf_counter() - sent)  # noqa: E731
+    try:
+        done = client.generate(Request(text, max_tokens=max_tokens), stream=True, on_text=stamp)
+    except Exception as err:  # any failure is this request's counted error; the level goes on
+        timed.error = f"{type(err).__name__}: {err}"
+        return timed
+    timed.latency_s, timed.chunks, timed.perf = time.perf_counter() - sent, done.chunks, done.perf
+    return timed
+
+
+def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[int], lengths: list[int],
+              arrivals: list[float]) -> tuple[list[Timed], float]:
+    """One worker per client (the concurrency) takes the requests in order, each no earlier than
+    its arrival time. Returns the requests and the level's wall time."""
+    jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(order)):
+        jobs.put(i)
+    done: list[Timed] = [Timed(order[i], 0.0, error="not sent") for i in range(len(order))]
+    started = time.perf_counter()
+
+    def worker(client: TritonLLMClient) -> None:
+        while True:
+            try:
+                i = jobs.get_nowait()
+            except queue.Empty:
+                return
+            time.sleep(max(started + arrivals[i] - time.perf_counter(), 0.0))
+            done[i] = send(client, order[i], prompts[order[i]], lengths[order[i]], started)
+
+    threads = [threading.Thread(target=worker, args=(client,), daemon=True) for client in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for timed in done[: len(clients)]:
+        timed.cold = True
+    return done, time.perf_counter() - started
+
+
+Results = dict[str, dict[int, tuple[list[Timed], list[float]]]]  # arm -> concurrency -> (requests, wall s per pass)
+
+
+@dataclass
+class Sweep:
+    """What the sweep sends: prompts, how many requests per level, their arrivals."""
+
+    prompts: list[str]
+    levels: list[int]
+    requests: int | None  # per arm, level and pass; None: requests_at's default
+    max_tokens: int  # the mean of the prompts' lengths
+    rate: float | None = None
+    seed: int = 0
+    passes: int = 1
+    spread: float = 0.0
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each prompt's max tokens: max_tokens x factors evenly spread over [1 - spread, 1 + spread],
+        dealt to the prompts in a seeded order. Answers of one length keep a closed loop's clients
+        in lockstep: they finish in the same round and come back as one burst."""
+        factors = np.linspace(1 - self.spread, 1 + self.spread, len(self.prompts)) if len(self.prompts) > 1 else [1.0]
+        dealt = np.random.default_rng(self.seed).permutation(len(self.prompts))
+        return [max(1, round(self.max_tokens * float(factors[i]))) for i in dealt]
+
+    def requests_at(self, level: int) -> int:
+        """The asked number, or MIN_REQUESTS and at least REQUESTS_PER_CLIENT per client: a pass
+        then measures beyond its cold start (each client's first request)."""
+        return self.requests or max(MIN_REQUESTS, REQUESTS_PER_CLIENT * level)
+
+    def order(self, level: int) -> list[int]:
+        return [i % len(self.prompts) for i in range(self.requests_at(level))]
+
+
+def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print) -> Results:
+    """Every level for every arm in `plan.passes` passes, the arms' order alternating from pass to
+    pass and level to level; a level's passes pool (requests joined in pass order, a wall time per
+    pass). The first reference-arm level is preceded by a solo pass when the sweep has no
+    concurrency 1 (key 0)."""
+    clients = {arm: [TritonLLMClient(url) for _ in range(plan.levels[-1])] for arm, url in urls.items()}
+    results: Results = {arm: {} for arm in urls}
+    try:
+        for pool in clients.values():  # warm-up: first requests pay one-off costs
+            pool[0].wait_ready()
+            pool[0].generate(Request(plan.prompts[0], max_tokens=4), stream=True)
+        reference = list(urls)[-1]
+        if plan.levels[0] != 1:
+            solo = list(range(len(plan.prompts)))
+            timed, wall = run_level(clients[reference][:1], plan.prompts, solo, plan.lengths, [0.0] * len(solo))
+            results[reference][0] = (timed, [wall])
+        for n, level in enumerate(plan.levels):
+            for p in range(plan.passes):
+                for arm in list(urls)[:: 1 if (n + p) % 2 == 0 else -1]:
+                    order = plan.order(level)
+                    timed, wall = run_level(clients[arm][:level], plan.prompts, order, plan.lengths,
+                                            arrival_times(len(order), plan.rate, plan.seed))
+                    before, walls = results[arm].get(level, ([], []))
+                    results[arm][level] = (before + timed, walls + [wall])
+                    say(f"concurrency {level}, pass {p + 1}/{plan.passes}: {arm} done in {wall:.1f} s")
+    finally:
+        for pool in clients.values():
+            for client in pool:
+                client.close()
+    return results

@@ -1,0 +1,42 @@
+"""The model cache's write discipline: one builder per entry (a file lock), entries published
+whole (a temp folder renamed into place), so concurrent callers never see a half-written folder."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from specdeploy.fileio import cache_dir
+
+
+@contextmanager
+def locked(name: str) -> Iterator[None]:
+    """An exclusive lock across processes, so two callers never build the same cache entry."""
+    lock_dir = cache_dir() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def publish_dir(tmp: Path, final: Path) -> Path:
+    """Rename a finished temp folder into place (a folder already there wins)."""
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is shared
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def is_complete_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))

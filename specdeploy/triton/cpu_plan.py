@@ -1,0 +1,81 @@
+"""`--cpu-draft-shape auto`: the CPU deployment drafts the chain or tree the planner
+(runtime.planner) measures fastest on this machine, and stops speculating above the in-flight
+batch size where that stops paying. The GPU routes keep convert's shape; their LLM-API speculation
+controls start from this measurement (llmapi_repo.gpu_knobs).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from specdeploy.fileio import atomic_write_json
+from specdeploy.trtllm.llmapi import DraftStructure
+from specdeploy.triton.cpu_repo import DEPLOYMENT_FILE
+
+CPU_PLAN = 7  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
+PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
+CPU_DRAFT_SHAPES = ("fixed", "auto")
+# A batch speculates where its rounds measured at least this much faster in-process: served, the
+# margin shrinks (2026-11-23: in-process 1.01x / 1.09x at batch 2 / 3, `make loadtest` 0.85x at
+# concurrency 2), and a server slower under load than plain decoding is the worse mistake.
+LOAD_PAYS = 1.05
+
+
+def plan_cpu_repo(cpu: Path, deployment: dict[str, Any], structure: DraftStructure | None, *,
+                  max_batch_size: int, spec_off_above: int | None) -> None:
+    """Plan the written CPU repository `cpu` (its deployment.json is `deployment`): the shape, then,
+    unless the user gave `spec_off_above`, the load; the measurement goes to cpu/PLAN_FILE."""
+    written = cpu / "tensorrt_llm" / "1" / DEPLOYMENT_FILE
+    planned = plan_cpu_shape(written, structure)
+    if planned is not None:
+        deployment["spec"].update(planned["options"])
+        atomic_write_json(written, deployment)
+        if spec_off_above is None:  # the user's value wins
+            planned["load"] = plan_cpu_load(written, max_batch_size)
+            if planned["load"]["spec_off_above"] is not None:
+                atomic_write_json(written, {**deployment, "spec_off_above": planned["load"]["spec_off_above"]})
+        atomic_write_json(cpu / PLAN_FILE, planned)
+
+
+def plan_cpu_shape(path: Path, structure: DraftStructure | None) -> dict[str, Any] | None:
+    """The draft shape the planner measures fastest here for the CPU deployment (None when its
+    proposer has a single fixed tree): {"options": deployment spec options, "plan": the measurement}.
+    When plain decoding measures faster than every shape, the fastest shape is still served (the
+    build asked for speculation) and the line printed says so."""
+    from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
+    from specdeploy.runtime.deployment import load_decoder
+    from specdeploy.runtime.planner import calibration_prompts, choose_draft_shape, describe
+
+    decoder = load_decoder(path)
+    max_len = structure.max_draft_len if structure is not None and structure.mode == "chain" else DEFAULT_DRAFT_LEN
+    if decoder.proposer is None or not decoder.proposer.draft_shapes(max_len):
+        return None
+    plan = choose_draft_shape(decoder.target, decoder.proposer, calibration_prompts(decoder.tokenizer), max_len=max_len)
+    shape = plan.shape or max(plan.estimates, key=lambda e: e.tokens_per_s).shape
+    print(f"specdeploy package: CPU deployment {describe(plan)}", file=sys.stderr)
+    if plan.shape is None:
+        print(f"specdeploy package: serving {shape} anyway (the build asked for speculation); "
+              "`make loadtest` shows where it pays", file=sys.stderr)
+    return {"options": decoder.proposer.shape_options(shape), "plan": plan.as_dict()}
+
+
+def plan_cpu_load(path: Path, max_batch_size: int) -> dict[str, Any]:
+    """The CPU deployment's spec_off_above, measured on the deployment as written (its planned
+    shape): in-flight batches of 1..max_batch_size, speculative and plain rounds interleaved.
+    At least 1: alone, the deployment speculates, as the build asked."""
+    from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
+    from specdeploy.runtime.deployment import load_decoder
+    from specdeploy.runtime.planner import calibration_prompts, measure_load_curve, suggested_spec_off_above
+
+    decoder = load_decoder(path)
+    sizes = list(range(1, max_batch_size + 1))
+    points = measure_load_curve(lambda size: decoder.batcher(max_batch_size=size), calibration_prompts(decoder.tokenizer),
+                                sizes, max_draft=decoder.draft_len or DEFAULT_DRAFT_LEN)
+    off_above = suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points], LOAD_PAYS)
+    off_above = None if off_above is None else max(1, off_above)
+    curve = ", ".join(f"{p.batch}: {p.speedup:.2f}x" for p in points)
+    print(f"specdeploy package: CPU deployment, speculative over plain rounds by in-flight batch size: {curve}; "
+          f"spec_off_above {off_above if off_above is not None else 'none (speculation paid at every size)'}", file=sys.stderr)
+    return {"spec_off_above": off_above, "pays": LOAD_PAYS, "curve": [p.as_dict() for p in points]}

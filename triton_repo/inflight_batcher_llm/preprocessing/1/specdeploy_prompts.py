@@ -1,1 +1,0 @@
-../../../../specdeploy/prompts.py
