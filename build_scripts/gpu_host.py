@@ -239,6 +239,12 @@ def server_command(host: Host) -> List[str]:
     return docker_run(host, "--name", host.container_name, host.image, *serve, ports=True)
 
 
+def assemble_command(host: Host) -> List[str]:
+    """This script's --assemble for the host's route, mount and image: the dry run's assembly step."""
+    return [str(ENTRY), "--assemble", "--route", host.route, "--mount", host.mount, str(host.build),
+            *([host.image] if host.image else [])]
+
+
 def stop_command(host: Host) -> List[str]:
     return ["docker", "stop", "-t", str(STOP_S), host.container_name]
 
@@ -524,14 +530,14 @@ def dry_run(host: Host) -> None:
     print(shell(probe_command(host)))
     if host.route == "engine":
         print(shell(engines_command(host)))
-    if host.image is not None and not os.environ.get("SPECDEPLOY_ALL_MODELS"):
-        for command in copy_out_commands(host, host.image, "$FILES"):
-            print(shell(command))
-    print(f"# assemble {host.repo}: {host.entry['repo']} + {container_dir(host)} -> {host.entry['container_files']['to']}, "
+    # the assembly (the route's code copied out of the image, $BUILD_DIR resolved, modes) is this
+    # script's own step, so the plan stays a list of commands that can be pasted as they are
+    print(f"# {host.repo}: {host.entry['repo']} + {container_dir(host)} -> {host.entry['container_files']['to']}, "
           f"{MARKER} -> {host.mount}, files 0644 / folders 0755")
-    print(shell(server_command(host)) + f" > {host.log}")
-    print(f"# until http://127.0.0.1:{host.ports.http}/v2/models/{host.entry['model']}/ready, at most {host.ready_timeout:g} s, "
-          "or the server exits")
+    print(shell(assemble_command(host)))
+    print(shell(server_command(host)) + f" > {host.log} 2>&1 &")
+    url = f"http://127.0.0.1:{host.ports.http}/v2/models/{host.entry['model']}/ready"
+    print(f"timeout {host.ready_timeout:g} sh -c {shlex.quote(f'until curl -sf {url} > /dev/null; do sleep 5; done')}")
     print(shell(verify_command(host, "served"), verify_env(host)))
     print(shell(stop_command(host)) if host.image else "# stop tritonserver")
     print(shell(verify_command(host, "reference"), verify_env(host)))

@@ -136,8 +136,11 @@ def _generate(model, tokenizer, prefix: torch.Tensor, max_new_tokens: int) -> tu
 def compare(prompt: str, reference: Reference, served: str, tokenizer) -> ParityResult:
     """Exact text match; otherwise the first reference token whose text the served output leaves.
     A served output that goes on past the reference's whole text parts where the reference
-    stopped: at its first token that adds no text (its EOS), judged by the margin there; past a
-    reference cut at max_new_tokens there is none, so no margin."""
+    stopped: at its first token that adds no text (its EOS), judged by the margin there. Without
+    one (the reference stopped where it parted from the served answer, or was cut at
+    max_new_tokens), at the first token where the served text, tokenized, parts from the
+    reference's: a token the served text holds in a longer one ("\n" in "\n\n") is where they
+    chose apart; only where neither parts is there no margin."""
     if served == reference.text:
         return ParityResult(prompt, reference.text, served, True, None, None)
     ids = reference.token_ids
@@ -148,6 +151,9 @@ def compare(prompt: str, reference: Reference, served: str, tokenizer) -> Parity
     divergence = next((i for i in range(len(ids)) if not served.startswith(text(i + 1))), None)
     if divergence is None:
         divergence = next(n for n in range(len(ids) + 1) if text(n) == reference.text)
+        if divergence == len(ids):  # no EOS of its own: the same text tokenized apart ("\n\n" against "\n")
+            served_ids = tokenizer(served, add_special_tokens=False)["input_ids"]
+            divergence = next((i for i, (a, b) in enumerate(zip(ids, served_ids)) if a != b), divergence)
     margin = reference.margins[divergence] if divergence < len(reference.margins) else None
     return ParityResult(prompt, reference.text, served, False, divergence, margin)
 

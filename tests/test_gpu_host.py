@@ -354,7 +354,7 @@ def test_dry_run_prints_the_plan_in_order_without_installing_anything(tmp_path, 
     assert done.returncode == 0, done.stderr
     out = done.stdout
     steps = [f"docker run --rm {IMAGE} python3 -c",
-             f"docker cp specdeploy-llmapi-",
+             f"gpu_host.sh --assemble --route llmapi --mount /build {build} {IMAGE}",
              f"docker run --rm --gpus all --ipc=host --shm-size=2g --ulimit memlock=-1 -p 127.0.0.1:{env['HTTP_PORT']}:",
              f"--phase served --served-file {build}/gpu_host/llmapi.served.json --url 127.0.0.1:{env['GRPC_PORT']}",
              "docker stop -t 60 specdeploy-llmapi-",
@@ -373,9 +373,10 @@ def test_dry_run_engine_route_builds_engines_and_takes_the_bls_code(tmp_path, ti
     out = done.stdout
     engines = (f"-v {build}:/build -e HF_HUB_OFFLINE=1 -e TRANSFORMERS_OFFLINE=1 -e CKPT_DIR=/build/trtllm_ckpt "
                f"-e ENGINE_DIR=/build/engines {IMAGE} bash -c 'bash /build/engines/build_engines.sh && chown -R ")
-    bls = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1/."
-    assert engines in out and bls in out
-    assert out.index(engines) < out.index(bls) < out.index("tritonserver --model-repository /build/gpu_host/engine")
+    bls = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1 -> "  # the code the assembly takes from the image
+    assemble = f"gpu_host.sh --assemble --route engine --mount /build {build} {IMAGE}"
+    assert engines in out and bls in out and assemble in out
+    assert out.index(engines) < out.index(bls) < out.index(assemble) < out.index("tritonserver --model-repository /build/gpu_host/engine")
     # the server is ready when the route's entry model is: the BLS model for draft-target
     assert "/v2/models/tensorrt_llm_bls/ready" in out and "trtllm-serve" not in out
 

@@ -233,3 +233,34 @@ def test_the_measured_near_tie_limit_is_the_p99_shift_between_the_floor_and_the_
     assert not summarize([row], "bfloat16", "near-tie", NEAR_TIE)["parity_ok"]
     measured = summarize([row], "bfloat16", "near-tie", noisy["limit"], measured=noisy)
     assert measured["parity_ok"] and measured["parity_rule"] == "near-tie (margin <= 1.25, measured)"
+
+
+def test_an_answer_that_holds_the_reference_token_in_a_longer_one_parts_there(tiny_llama_dir):
+    """The reference's last token (its own choice where it parted from the served answer) is a
+    prefix of the served answer's token there (" a" against " ab", "\\n" against "\\n\\n"): as text
+    the served answer goes on past the reference, as tokens they part at that position, judged by
+    its margin (seen in a load test: one output failed with no margin)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    words = tokenizer("def add", add_special_tokens=False)["input_ids"]
+    prefix = tokenizer.decode(words)
+    pair = None
+    for short in range(len(tokenizer)):
+        piece = tokenizer.decode([short])
+        if not piece.strip() or tokenizer(prefix + piece, add_special_tokens=False)["input_ids"] != words + [short]:
+            continue
+        for long in range(len(tokenizer)):
+            text = tokenizer.decode([long])
+            if long != short and text.startswith(piece) and len(text) > len(piece) and \
+                    tokenizer(prefix + text, add_special_tokens=False)["input_ids"] == words + [long]:
+                pair = short, long
+                break
+        if pair:
+            break
+    assert pair is not None, "the tiny tokenizer has no token that extends another"
+    short, long = pair
+    ids = words + [short]
+    ref = Greedy(ids, tokenizer.decode(ids, skip_special_tokens=True), [5.0] * len(words) + [0.25])
+    served = tokenizer.decode(words + [long])
+    result = compare("p", ref, served, tokenizer)
+    assert (result.match, result.first_divergence_token, result.margin_at_divergence) == (False, len(words), 0.25)
+    assert parity_holds(result, exact=False, near_tie=1.0)

@@ -204,7 +204,7 @@ def test_a_request_joining_a_batch_takes_in_its_prompt_alone(tiny_llama_dir, opt
     request's solo draft (float64)."""
     from transformers import AutoModelForCausalLM
 
-    from specdeploy.runtime.proposers.eagle import CATCH_UP
+    from specdeploy.runtime.proposers.eagle_batch import CATCH_UP
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float64).eval()
     base = build_proposer("eagle", target, **options)

@@ -77,3 +77,23 @@ def test_cache_key_follows_the_weights_not_the_folder(tiny_llama_dir, tmp_path):
     shutil.copytree(tiny_llama_dir, copy)
     assert cache_key(copy, settings) == cache_key(tiny_llama_dir, settings)
     assert cache_key(copy, {**settings, "max_new_tokens": 17}) != cache_key(tiny_llama_dir, settings)
+
+
+def test_ranks_list_the_missing_shards_before_any_is_made(tiny_llama_dir, tmp_path, monkeypatch):
+    """Under torchrun each rank makes every world-th missing shard. A rank that listed the missing
+    shards after another rank had published one would split a shorter list and a shard would go
+    unmade (seen as FileNotFoundError in a two-rank run): the first barrier comes before any shard."""
+    from specdeploy.speculator.parallel import Parallel
+
+    events = []
+
+    class TwoRanks(Parallel):
+        def barrier(self) -> None:
+            events.append("barrier")
+
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(distill_mod, "_make", lambda model_dir, jobs, **kwargs: events.append(f"make {len(jobs)}"))
+    with pytest.raises(FileNotFoundError):  # no shard was really made, so reading them back fails after the barriers
+        distill(tiny_llama_dir, num_prompts=8, max_new_tokens=16, layers=data_layers(2), batch_size=4, device="cpu",
+                parallel=TwoRanks(rank=0, world=2))
+    assert events[0] == "barrier" and events[1].startswith("make") and events[2] == "barrier", events

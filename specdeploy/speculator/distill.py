@@ -214,7 +214,11 @@ def distill(
     per_token = memory.hidden_bytes_per_token(memory.Arch.read(model_dir), len(layers))
     gen_seq = MAX_PROMPT_TOKENS + max_new_tokens
     jobs = _jobs(root, num_prompts, teacher_forced_samples, code_prompts, gen_seq, tf_max_tokens, per_token)
-    mine = parallel.mine([job for job in jobs if not (job.folder / INFO_FILE).is_file()])
+    missing = [job for job in jobs if not (job.folder / INFO_FILE).is_file()]
+    # every rank lists the missing shards before any rank publishes one: a rank that listed after
+    # another's first shard appeared would split a shorter list, and a shard would go unmade
+    parallel.barrier()
+    mine = parallel.mine(missing)
     if mine:
         memory.check_disk(root, sum(len(job.items) * job.seq for job in mine) * per_token)
         largest = max(len(job.items) for job in mine)
