@@ -15,6 +15,8 @@ BUILD ?= build
 ENGINE_ARGS ?=
 BENCH_ARGS ?=
 LOADTEST_ARGS ?=
+# the suite's workers (pytest-xdist): a test file stays on one worker, so its module fixtures are built once
+TEST_WORKERS ?= 2
 
 .PHONY: venv engine serve verify bench loadtest test test-gpu clean
 
@@ -47,7 +49,7 @@ loadtest: venv
 	$(PY) -m specdeploy loadtest $(BUILD_ARGS) $(LOADTEST_ARGS)
 
 test: venv
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
 
 # The CUDA tests only (tiny models end to end on the GPU); on a host without CUDA they report as skipped.
 test-gpu: venv

@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from specdeploy.parity import greedy_path
-from specdeploy.runtime.batch import BatchRequest, InflightBatcher
+from specdeploy.runtime.batch import InflightBatcher
+from specdeploy.runtime.batch_requests import BatchRequest
 from specdeploy.runtime.types import GenerationResult, SamplingParams, acceptance_length
 
 EXACT_DTYPE = "float64"

@@ -25,7 +25,7 @@ from specdeploy.parity import NEAR_TIE, hf_reference
 from specdeploy.stats import percentiles
 from specdeploy.verify.reference import load_reference
 from specdeploy.manifest import BuildDir
-from specdeploy.runtime.planner import break_even, suggested_spec_off_above
+from specdeploy.runtime.load_plan import break_even, suggested_spec_off_above
 from specdeploy.triton import stage as package_stage
 from specdeploy.triton.serve import TritonServer
 from tests.tiny import make_llama

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,22 @@ def test_a_module_that_does_not_fit_is_refused_and_nothing_is_written(case, base
     assert nothing_written(build)
 
 
+def test_checking_a_module_leaves_modelopts_tables_off_the_meta_device(base, tmp_path):
+    """The fit check builds ModelOpt's module on the meta device; ModelOpt first imported there kept its
+    NVFP4 tables as meta tensors, and an NVFP4 quantize later in the same process failed."""
+    import subprocess
+    import sys
+
+    source = write_layout("eagle", "eagle3", tmp_path / "src", base)
+    script = ("import sys; from pathlib import Path; from specdeploy.modules import stage; "
+              "stage.checked_module(Path(sys.argv[1]), 'eagle', Path(sys.argv[2]), []); "
+              "from modelopt.torch.quantization.qtensor import nvfp4_tensor as t; "
+              "print(t.e2m1_bounds.device.type, t.e2m1_values.device.type)")
+    done = subprocess.run([sys.executable, "-c", script, str(source), str(base)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["cpu", "cpu"]  # after whatever ModelOpt prints on import
+
+
 def test_what_the_user_vouches_for_is_imported(base, tmp_path):
     pickled = _pickled(tmp_path / "pickled", base)
     assert_same_module(imported(tmp_path / "a", base, "eagle", pickled, allow_pickle=True),
@@ -386,6 +403,13 @@ def test_the_gate_passes_a_module_that_drafts_and_names_causes_when_the_layers_a
                      gate_floor=stage.GATE_FLOOR)
     gate = spec_of(build)[0]["imported"]["gate"]
     assert gate["acceptance_length"] > 1.5 and gate["floor"] == stage.GATE_FLOOR
+    # `make verify` looks again at the served chat acceptance: a deployment that mis-loaded the module fails
+    assert stage.served_gate(build.path("spec"), gate["acceptance_length"]) is None
+    assert stage.served_gate(build.path("spec"), None) is None  # no chat prompts served
+    assert re.search(r"acceptance length on chat prompts is 1\.05, under the imported module's floor 1\.2.*captured layers",
+                     stage.served_gate(build.path("spec"), 1.05))
+    ungated = imported(tmp_path / "ungated", base, "eagle", _cycle_module(tmp_path / "ungated_src", weights, base))
+    assert stage.served_gate(ungated.path("spec"), 1.0) is None  # imported with --gate-floor 0: no floor to hold
 
     permuted = dict(weights, **{"fc.weight": weights["fc.weight"].roll(2 * tm.HIDDEN, dims=1)})  # fc reads layer 4 first
     wrong = BuildDir(tmp_path / "wrong")

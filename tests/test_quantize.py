@@ -271,7 +271,7 @@ def test_smaller_awq_block_size_when_asked(tmp_path, tiny_llama_dir):
 def test_exclude_keeps_linears_unquantized_through_export_loader_and_convert(tmp_path, tiny128_dir):
     """Mixed precision: --exclude'd Linears stay bf16 in the export (named in exclude_modules),
     the CPU loader keeps them plain, and the TRT-LLM checkpoint lists them by TRT-LLM name."""
-    from specdeploy.trtllm.convert import convert_all
+    from specdeploy.trtllm.engine_checkpoint import convert_all
 
     build = _build(tmp_path, tiny128_dir)
     out = Q.run(build, "fp8", "fp8", exclude=["*mlp.down_proj", "model.layers.0.self_attn.[qkv]_proj"], **FAST)

@@ -37,7 +37,7 @@ from specdeploy.quantize import stage as quantize_stage
 from specdeploy.speculator.train import TrainSettings, train
 from specdeploy.triton import stage
 from specdeploy.trtllm import build as trt_build
-from specdeploy.trtllm import convert, llmapi, releases
+from specdeploy.trtllm import convert, draft_folders, releases, spec_input
 from tests.oracle import oracle_venv
 from tests.test_trtllm_llmapi import dflash_spec
 from tests.tiny import make_tokenizer
@@ -128,15 +128,15 @@ def folders(tmp_path_factory) -> dict[str, dict[str, Path]]:
         trt_build.run(build)
         stage.run(build, spec="eagle", device="cpu")
         draft_target = root / "draft_target"
-        convert.convert_routes(build.path("quantized"), draft_target, convert.load_spec(None, kind="draft", draft_model=draft),
+        convert.convert_routes(build.path("quantized"), draft_target, spec_input.load_spec(None, kind="draft", draft_model=draft),
                                route="llmapi", root=root)
         dflash_spec(build.path("base"), root / "dflash_spec")
-        dflash = llmapi.dflash_draft(root / "dflash_spec", root / "dflash")
+        dflash = draft_folders.dflash_draft(root / "dflash_spec", root / "dflash")
     ckpt = build.path("trtllm_ckpt")
     return {
         "source": {"base": model, "draft_model": draft},
         "written": {"base": build.path("base"), "quantized": build.path("quantized"),
-                    "eagle3_draft": ckpt / "llmapi" / llmapi.DRAFT_FOLDER, "dflash_draft": dflash,
+                    "eagle3_draft": ckpt / "llmapi" / draft_folders.DRAFT_FOLDER, "dflash_draft": dflash,
                     "draft_model": draft_target / convert.DRAFT_MODEL, "triton_tokenizer": cpu_tokenizer_dir(build)},
     }
 

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.runtime.batch import BatchRequest, InflightBatcher
+from specdeploy.runtime.batch import InflightBatcher
+from specdeploy.runtime.batch_requests import BatchRequest
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.proposers import build_proposer

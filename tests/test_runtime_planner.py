@@ -11,11 +11,11 @@ from specdeploy import bench as bench_module
 from specdeploy.bench import Bench, run_bench
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
-from specdeploy.runtime import planner
+from specdeploy.runtime import load_plan, planner
 from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.decoding import generate
-from specdeploy.runtime.planner import (Calibration, ShapeStats, calibrate, chain_reach, choose_draft_shape, measure_load_curve,
-                                        plan, suggested_spec_off_above, tree_acceptance)
+from specdeploy.runtime.load_plan import measure_load_curve, suggested_spec_off_above
+from specdeploy.runtime.planner import Calibration, ShapeStats, calibrate, chain_reach, choose_draft_shape, plan, tree_acceptance
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingParams
 from tests.test_runtime_helpers import PROMPTS, draft, one_thread, target, tokenizer  # noqa: F401
@@ -304,8 +304,8 @@ def test_load_curve_times_rounds_after_a_plain_warmup(target, monkeypatch):
         made.append(batcher_of(target, perfect, 3)(size))
         return made[-1]
 
-    twin_of = planner._plain_twin
-    monkeypatch.setattr(planner, "_plain_twin", lambda batcher: twins.append(twin_of(batcher)) or twins[-1])
+    twin_of = load_plan._plain_twin
+    monkeypatch.setattr(load_plan, "_plain_twin", lambda batcher: twins.append(twin_of(batcher)) or twins[-1])
     (point,) = measure_load_curve(make, [[5, 17, 33, 90]], [1], rounds=4, max_draft=3, warmup=6)
     (batcher,), (twin,) = made, twins
     # the admitting round, the warm-up, the round that resumes speculating (untimed), 4 timed
@@ -317,7 +317,7 @@ def test_load_curve_times_rounds_after_a_plain_warmup(target, monkeypatch):
 
 def test_load_curve_of_a_draft_too_slow_to_pay_turns_speculation_off(target, monkeypatch):
     clock = Clock(tick=0.001)  # a round without a draft takes 1 ms on the planner's clock, a draft 1 s more
-    monkeypatch.setattr(planner, "time", clock)
+    monkeypatch.setattr(load_plan, "time", clock)
     slow = Paced(build_proposer("draft", target, draft_model=target), clock, lambda tree: 1.0)
     points = measure_load_curve(batcher_of(target, slow, 2), [[5, 17, 33, 90]], [1, 2], rounds=2, max_draft=2)
     assert all(p.speedup < 1 for p in points)

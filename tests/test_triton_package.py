@@ -21,9 +21,9 @@ from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
-from specdeploy.runtime.planner import suggested_spec_off_above
+from specdeploy.runtime.load_plan import suggested_spec_off_above
 from specdeploy.triton import stage
-from specdeploy.triton.cpu_plan import LOAD_PAYS, PLAN_FILE
+from specdeploy.triton.cpu_plan import LOAD_PAYS, PLAN_FILE, load_sizes
 from specdeploy.triton.cpu_repo import CPU_COUNTERS, CPU_MAX_BATCH_SIZE
 from specdeploy.triton.routes import gpu_routes, gpu_summary
 from specdeploy.triton.templating import backend_fill_args, fill
@@ -35,9 +35,13 @@ EAGLE3_CFG = {
     "eagle_use_torch_compile": False,
     "eagle_architecture_config": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                                   "intermediate_size": 96, "use_aux_hidden_state": True, "use_last_layernorm": True,
-                                  "eagle_aux_hidden_state_layer_ids": [0, 1], "torch_dtype": "float32"},
+                                  "eagle_aux_hidden_state_layer_ids": [0, 1], "torch_dtype": "float32",
+                                  # what the spec stage records beside (checkpoints.modules.eagle.modelopt_config)
+                                  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "draft_vocab_size": 384},
 }
 ROUTES = {"medusa": {"engine"}, "eagle": {"llmapi"}, "draft": {"engine", "llmapi"}, "ngram": {"llmapi"}, "none": {"engine", "llmapi"}}
+# vLLM and SGLang serve a module or a draft model; Medusa (neither release has it), n-gram and plain builds get none
+ENGINES = {"medusa": set(), "eagle": {"vllm", "sglang"}, "draft": {"vllm", "sglang"}, "ngram": set(), "none": set()}
 
 
 # ----------------------------------------------------------------------------- build helpers
@@ -182,7 +186,8 @@ def test_every_config_parses_and_only_the_routes_the_build_has_are_packaged(make
     assert cpu["tensorrt_llm"].backend == "python"
     routes = gpu_routes(build)
     assert set(routes["routes"]) == ROUTES[spec]
-    assert {p.name for p in out.iterdir() if p.is_dir()} == {"cpu", *ROUTES[spec]}
+    assert {p.name for p in out.iterdir() if p.is_dir()} == {"cpu", *ROUTES[spec], *ENGINES[spec]}
+    assert set(routes["engines"]) == ENGINES[spec] and set(routes["engines_refused"]) == {"vllm", "sglang"} - ENGINES[spec]
     assert routes["recommended"] == ("llmapi" if "llmapi" in ROUTES[spec] else "engine")
     assert set(routes["refused"]) == {"engine", "llmapi"} - ROUTES[spec] and all(routes["refused"].values())
     if "engine" in ROUTES[spec]:
@@ -373,9 +378,10 @@ def test_auto_draft_shape_serves_the_planners_fastest_shape_on_the_cpu_only(make
     assert decoder.draft_len == int(size) and decoder.proposer.kind == mode
     gpu = model_yaml(out)["speculative_config"]
     assert gpu["max_draft_len"] == 4  # the GPU keeps convert's chain
-    # and the load up to which it speculates: measured batches of 1..cpu_max_batch_size
+    # and the load up to which it speculates: measured batches of 1, 2, 4, ..., cpu_max_batch_size
     curve = planned["load"]["curve"]
-    assert [p["batch"] for p in curve] == list(range(1, CPU_MAX_BATCH_SIZE + 1))
+    assert [p["batch"] for p in curve] == load_sizes(CPU_MAX_BATCH_SIZE) == [1, 2, 4, 8]
+    assert load_sizes(6) == [1, 2, 4, 6] and load_sizes(1) == [1]
     rule = suggested_spec_off_above([p["batch"] for p in curve], [p["speedup"] for p in curve], LOAD_PAYS)
     assert planned["load"]["spec_off_above"] == (None if rule is None else max(1, rule))  # alone, it speculates
     assert deployment(out).get("spec_off_above") == planned["load"]["spec_off_above"] == decoder.spec_off_above

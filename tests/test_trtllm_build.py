@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.trtllm import build as trt_build
-from specdeploy.trtllm import convert, releases
+from specdeploy.trtllm import convert, engine_checkpoint, releases, spec_input
 from specdeploy.trtllm.formats import SPECULATIVE_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +78,8 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 def test_medusa_plan_uses_the_choices_tree(tiny_llama_dir, tmp_path):
     choices = [[0], [1], [2], [0, 0], [0, 1], [0, 0, 0], [1, 0]]
-    spec = convert.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), choices))
-    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt", spec=spec)
+    spec = spec_input.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), choices))
+    engine_checkpoint.convert_all(tiny_llama_dir, tmp_path / "ckpt", spec=spec)
     argv = _cmd(_plan(tmp_path / "ckpt"), "target")
     assert argv[0] == "trtllm-build" and _flag(argv, "--speculative_decoding_mode") == "medusa"
     assert _flag(argv, "--max_draft_len") == "7"  # the number of nodes of the tree
@@ -91,7 +91,7 @@ def test_medusa_plan_uses_the_choices_tree(tiny_llama_dir, tmp_path):
 def test_limits_never_exceed_the_models_context(tiny_llama_dir, tmp_path):
     """--max_seq_len / --max_input_len capped at max_position_embeddings (256 for the tiny model):
     the Triton repositories declare the same numbers."""
-    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt")
+    engine_checkpoint.convert_all(tiny_llama_dir, tmp_path / "ckpt")
     plan = _plan(tmp_path / "ckpt")
     argv = _cmd(plan, "target")
     assert (_flag(argv, "--max_seq_len"), _flag(argv, "--max_input_len")) == ("256", "256")
@@ -101,8 +101,8 @@ def test_limits_never_exceed_the_models_context(tiny_llama_dir, tmp_path):
 
 
 def test_draft_target_plan_builds_the_target_for_external_drafts(tiny_llama_dir, tiny_draft_dir, tmp_path):
-    spec = convert.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=6)
-    convert.convert_all(tiny_llama_dir, tmp_path / "ckpt", spec=spec)
+    spec = spec_input.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=6)
+    engine_checkpoint.convert_all(tiny_llama_dir, tmp_path / "ckpt", spec=spec)
     plan = _plan(tmp_path / "ckpt")
     target, draft = _cmd(plan, "target"), _cmd(plan, "draft")
     assert _flag(target, "--speculative_decoding_mode") == "draft_tokens_external" and _flag(target, "--max_draft_len") == "6"
@@ -136,10 +136,10 @@ def _every_command(tiny_llama_dir: Path, tiny_draft_dir: Path, tmp_path: Path) -
     """The trtllm-build commands of every plan the project writes: base, Medusa, draft-target
     (target + draft), and the base under each quantization."""
     commands = []
-    medusa = convert.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), [[0], [0, 0], [1]]))
-    draft = convert.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=4)
+    medusa = spec_input.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), [[0], [0, 0], [1]]))
+    draft = spec_input.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=4)
     for name, spec in (("base", None), ("medusa", medusa), ("draft", draft)):
-        convert.convert_all(tiny_llama_dir, tmp_path / name, spec=spec)
+        engine_checkpoint.convert_all(tiny_llama_dir, tmp_path / name, spec=spec)
         commands += _plan(tmp_path / name)["commands"]
     for quantization in QUANTIZATIONS:
         config = {"architecture": "LlamaForCausalLM", "quantization": quantization}
@@ -166,8 +166,8 @@ def test_the_flag_data_covers_every_release_with_an_engine_flow():
 
 
 def test_script_is_valid_bash_and_refuses_to_run_here(tiny_llama_dir, tmp_path):
-    spec = convert.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), [[0], [0, 0]]))
-    convert.convert_all(tiny_llama_dir, tmp_path / "trtllm_ckpt", spec=spec)
+    spec = spec_input.load_spec(_spec_dir(tmp_path / "spec", "medusa", _medusa_module(), [[0], [0, 0]]))
+    engine_checkpoint.convert_all(tiny_llama_dir, tmp_path / "trtllm_ckpt", spec=spec)
     plan = trt_build.write_plan(tmp_path / "trtllm_ckpt", tmp_path / "engines")
     script = tmp_path / "engines" / trt_build.SCRIPT
     text = script.read_text()

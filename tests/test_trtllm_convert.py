@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.trtllm import formats
-from specdeploy.trtllm.convert import convert_all, load_spec
+from specdeploy.trtllm.engine_checkpoint import convert_all
 from specdeploy.trtllm.reader import build_hf_model, read_checkpoint
+from specdeploy.trtllm.spec_input import load_spec
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 11, 64, 128, 300, 2]])
 
@@ -231,7 +232,7 @@ def test_medusa_names_match_modelopt_trtllm_export(tiny_llama_dir, tmp_path, med
     ("ngram", "nothing in the Triton engine repository supplies them"),
 ])
 def test_engine_flow_refuses_what_it_would_serve_wrongly(tiny_llama_dir, tmp_path, kind, reason):
-    from specdeploy.trtllm.convert import SpecInput
+    from specdeploy.trtllm.spec_input import SpecInput
     from specdeploy.trtllm.specmodules import EngineFlowUnsupported
 
     with pytest.raises(EngineFlowUnsupported, match=re.escape(reason)) as err:

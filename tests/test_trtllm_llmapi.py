@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
-from specdeploy.trtllm import convert, llmapi, releases
+from specdeploy.trtllm import convert, draft_folders, llmapi, releases, spec_input
 from specdeploy.trtllm.llmapi import DraftStructure
 
 RELEASES = list(releases.RELEASES.values())
@@ -138,11 +138,11 @@ def test_int8_sq_goes_to_the_engine_flow_and_is_refused_on_the_llm_api(tiny_llam
     shutil.copytree(tiny_llama_dir, model)
     (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W8A8_SQ_PER_CHANNEL"}}))
     with pytest.raises(SpecDeployError, match="no INT8 SmoothQuant"):
-        convert.convert_routes(model, tmp_path / "out", convert.load_spec(None), route="llmapi")
+        convert.convert_routes(model, tmp_path / "out", spec_input.load_spec(None), route="llmapi")
 
 
 def test_draft_target_carries_its_draft_model_in_the_build(tiny_llama_dir, tiny_draft_dir, tmp_path):
-    spec = convert.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=3)
+    spec = spec_input.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=3)
     summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, route="llmapi", root=tmp_path)
     options = yaml.safe_load((tmp_path / "out" / "llmapi" / "speculative_config.yaml").read_text())
     assert options == {"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 3,
@@ -171,7 +171,7 @@ def _eagle3_spec(base: Path, out: Path) -> dict[str, torch.Tensor]:
 
 def test_eagle3_draft_folder_takes_the_form_every_loader_accepts(tiny_llama_dir, tmp_path):
     module = _eagle3_spec(tiny_llama_dir, tmp_path / "spec")
-    spec = convert.load_spec(tmp_path / "spec")
+    spec = spec_input.load_spec(tmp_path / "spec")
     with pytest.raises(SpecDeployError, match="EAGLE-1/2 \\(EagleForCausalLM\\) only"):  # no engine flow for it ...
         convert.convert_routes(tiny_llama_dir, tmp_path / "engine", spec, route="engine")
     summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, spec_dir=tmp_path / "spec",
@@ -207,7 +207,7 @@ def test_pipeline_stages_with_an_eagle3_module(tiny_llama_dir, tmp_path):
             shutil.copy(f, tmp / f.name)
     with build.stage("spec", "spec", {}, consumes=("resolve",)) as tmp:  # what the spec stage leaves behind
         _eagle3_spec(tiny_llama_dir, tmp)
-        llmapi.export_eagle3(tiny_llama_dir, tmp, tmp / "eagle3_export")
+        draft_folders.export_eagle3(tiny_llama_dir, tmp, tmp / "eagle3_export")
     out = convert.run(build, kind="eagle", max_draft_len=3)
     summary = json.loads((out / "convert_summary.json").read_text())
     assert summary["engine_flow"] is False and "EAGLE-3" in summary["engine_reason"] and not (out / "target").exists()
@@ -229,11 +229,11 @@ def test_a_build_without_any_route_says_why_for_each(tiny_llama_dir, tmp_path):
     model = tmp_path / "fp8kv"
     shutil.copytree(tiny_llama_dir, model)
     (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}))
-    summary = convert.convert_routes(model, tmp_path / "out", convert.load_spec(spec_dir), trtllm_version="1.1.0")
+    summary = convert.convert_routes(model, tmp_path / "out", spec_input.load_spec(spec_dir), trtllm_version="1.1.0")
     assert summary["engine_flow"] is False and summary["llmapi"] is None
     assert "EAGLE-1/2" in summary["engine_reason"] and "PR #8910" in summary["llmapi_reason"]
     with pytest.raises(SpecDeployError, match="--kv-cache none"):  # insisting on a route it lacks
-        convert.convert_routes(model, tmp_path / "x", convert.load_spec(spec_dir), route="llmapi", trtllm_version="1.1.0")
+        convert.convert_routes(model, tmp_path / "x", spec_input.load_spec(spec_dir), route="llmapi", trtllm_version="1.1.0")
 
 
 def test_a_quantized_module_from_quantize_spec_is_refused_with_the_reason(tiny_llama_dir, tmp_path):
@@ -242,9 +242,9 @@ def test_a_quantized_module_from_quantize_spec_is_refused_with_the_reason(tiny_l
     (model / "spec").mkdir()
     (model / "spec" / "spec_config.json").write_text(json.dumps({"kind": "eagle", "quantization": {"quant_algo": "FP8"}}))
     with pytest.raises(SpecDeployError, match="could not be confirmed") as err:
-        convert.refuse_quantized_spec(model)
+        spec_input.refuse_quantized_spec(model)
     assert "without --quantize-spec" in err.value.hint
-    convert.refuse_quantized_spec(tiny_llama_dir)  # no quantized module: nothing to refuse
+    spec_input.refuse_quantized_spec(tiny_llama_dir)  # no quantized module: nothing to refuse
 
 
 # ------------------------------------------------------------------------------ DFlash
@@ -292,7 +292,7 @@ def test_dflash_config_only_where_the_release_has_it(release):
 
 def test_dflash_routes_and_draft_folder(tiny_llama_dir, tmp_path):
     module = dflash_spec(tiny_llama_dir, tmp_path / "spec")
-    spec = convert.load_spec(tmp_path / "spec")
+    spec = spec_input.load_spec(tmp_path / "spec")
     with pytest.raises(SpecDeployError, match="LLM API only"):  # no engine flow for it, even where the release has one
         convert.convert_routes(tiny_llama_dir, tmp_path / "engine", spec, route="engine")
     refused = convert.convert_routes(tiny_llama_dir, tmp_path / "old", spec, spec_dir=tmp_path / "spec", root=tmp_path)
@@ -311,7 +311,7 @@ def test_dflash_routes_and_draft_folder(tiny_llama_dir, tmp_path):
     exported = load_file(str(draft / "model.safetensors"))
     assert torch.equal(exported["fc.weight"], module["dflash_module.fc.weight"].to(torch.bfloat16))  # the module's, cast
     with pytest.raises(SpecDeployError, match="at most block_size - 1 = 3"):
-        convert.convert_routes(tiny_llama_dir, tmp_path / "long", convert.load_spec(tmp_path / "spec", max_draft_len=5),
+        convert.convert_routes(tiny_llama_dir, tmp_path / "long", spec_input.load_spec(tmp_path / "spec", max_draft_len=5),
                                spec_dir=tmp_path / "spec", root=tmp_path, trtllm_version="1.3.0", route="llmapi")
 
 

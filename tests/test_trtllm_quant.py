@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdeploy.trtllm import formats
-from specdeploy.trtllm.convert import convert_all
+from specdeploy.trtllm.engine_checkpoint import convert_all
 from specdeploy.trtllm.reader import read_checkpoint
 
 FORMATS = ["fp8_kv", "int8_sq", "int4_awq"]
@@ -268,7 +268,7 @@ def test_medusa_heads_stay_unquantized_on_an_fp8_base(exports, tmp_path):
     """FP8 base + Medusa heads: the heads are excluded from quantization and cast to the model dtype."""
     from safetensors.torch import save_file
 
-    from specdeploy.trtllm.convert import load_spec
+    from specdeploy.trtllm.spec_input import load_spec
 
     hf, _ = exports["fp8_kv"]
     g = torch.Generator().manual_seed(0)

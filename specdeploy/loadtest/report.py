@@ -9,7 +9,7 @@ from typing import Any, Callable
 from specdeploy.loadtest.figures import DEFINITIONS, measure, summarize_level
 from specdeploy.loadtest.near_ties import disputed_outputs
 from specdeploy.loadtest.sending import Results
-from specdeploy.runtime.planner import break_even, suggested_spec_off_above
+from specdeploy.runtime.load_plan import break_even, suggested_spec_off_above
 
 SPEC, AR = "speculative", "autoregressive"
 

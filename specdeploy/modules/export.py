@@ -1,12 +1,15 @@
-"""`specdeploy export --format trtllm|speculators|dflash --out DIR`: a build's module (trained or
-imported: its spec/) as a folder in an engine's layout, for engines beside TensorRT-LLM.
+"""`specdeploy export --format trtllm|speculators|dflash|sglang --out DIR`: a build's module (trained
+or imported: its spec/) as a folder in an engine's layout, for engines beside TensorRT-LLM.
 
-    trtllm       EAGLE-3: the eagle3_draft folder convert writes (llmapi.eagle3_draft: ModelOpt's export,
+    trtllm       EAGLE-3: the eagle3_draft folder convert writes (draft_folders.eagle3_draft: ModelOpt's export,
                  its layer as midlayer.*); DFlash: the dflash_draft folder (TensorRT-LLM 1.3+). Medusa has
                  no such folder (engine flow only: `specdeploy convert --route engine`).
-    speculators  vLLM's speculators layout (modules/speculators.py), EAGLE-3 or DFlash, with d2t and t2d.
+    speculators  vLLM's speculators layout (modules/speculators.py), EAGLE-3 or DFlash, with d2t and t2d:
+                 what vLLM 0.33.0 loads for both (engines/vllm.py).
     dflash       DFlash as z-lab publishes it (what vLLM's and SGLang's dflash methods load): the same
                  folder as trtllm's for DFlash.
+    sglang       what SGLang 0.5.23 loads (engines/sglang.py): EAGLE-3 as its LlamaForCausalLMEagle3
+                 (layers.0.*, d2t, eagle_config with the captured layers); DFlash the dflash folder.
 
 Each reads back through `specdeploy spec import` to the same module, bit for bit (float32).
 """
@@ -16,15 +19,19 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 
-FORMATS = ("trtllm", "speculators", "dflash")
+if TYPE_CHECKING:
+    from specdeploy.modules.module import Module
+    from specdeploy.modules.spec import Base
+
+FORMATS = ("trtllm", "speculators", "dflash", "sglang")
 # trtllm: the half dtype convert deploys drafts in (TensorRT-LLM's kernels lack float32); the others
 # keep the module as stored, which vLLM and SGLang cast to the serving dtype when loading
-DEFAULT_DTYPES = {"trtllm": "bfloat16", "speculators": "float32", "dflash": "float32"}
+DEFAULT_DTYPES = {"trtllm": "bfloat16", "speculators": "float32", "dflash": "float32", "sglang": "float32"}
 
 
 def export(build: BuildDir, fmt: str, out: Path, *, dtype: str | None = None, verifier: str | None = None) -> Path:
@@ -54,38 +61,53 @@ def refuse(fmt: str, kind: str) -> None:
                                                                 "`specdeploy convert --route engine`")
     if fmt == "dflash" and kind != "dflash":
         raise SpecDeployError(f"--format dflash writes DFlash modules; this build's is {kind}",
-                              hint="use --format trtllm or speculators")
+                              hint="use --format trtllm, speculators or sglang")
 
 
 def _write(build: BuildDir, fmt: str, kind: str, spec_dir: Path, base_dir: Path, staging: Path, dtype: str,
            verifier: str | None) -> Path:
-    from specdeploy.trtllm import llmapi
-    from specdeploy.trtllm.convert import load_spec
+    from specdeploy.trtllm import draft_folders
+    from specdeploy.trtllm.spec_input import load_spec
 
     if fmt == "speculators":
         return _speculators(build, spec_dir, base_dir, staging / "module", dtype, verifier)
+    if fmt == "sglang" and kind == "eagle":
+        return _sglang(build, spec_dir, base_dir, staging / "module", dtype)
     if kind == "dflash":
-        return llmapi.dflash_draft(spec_dir, staging, dtype)
-    return llmapi.eagle3_draft(load_spec(spec_dir), spec_dir, base_dir, staging, dtype)
+        return draft_folders.dflash_draft(spec_dir, staging, dtype)
+    return draft_folders.eagle3_draft(load_spec(spec_dir), spec_dir, base_dir, staging, dtype)
 
 
-def _speculators(build: BuildDir, spec_dir: Path, base_dir: Path, out: Path, dtype: str, verifier: str | None) -> Path:
-    from specdeploy.modules import speculators
+def _normalised(build: BuildDir, spec_dir: Path, base_dir: Path) -> tuple[Module, Base, list[str]]:
+    """(the module with its optional fields filled against the base, the base, the base's names)."""
     from specdeploy.modules.spec import Base, from_spec, normalise
     from specdeploy.modules.stage import build_aliases
 
     aliases = build_aliases(build)
     base = Base.of(base_dir, *aliases)
-    module = normalise(from_spec(spec_dir), base)
+    return normalise(from_spec(spec_dir), base), base, aliases
+
+
+def _speculators(build: BuildDir, spec_dir: Path, base_dir: Path, out: Path, dtype: str, verifier: str | None) -> Path:
+    from specdeploy.modules import speculators
+
+    module, base, aliases = _normalised(build, spec_dir, base_dir)
     return speculators.write(module, out, verifier=verifier or aliases[0] or str(base_dir),
                              verifier_architectures=list(base.config.get("architectures") or []),
                              max_positions=int(base.config.get("max_position_embeddings", 4096)), dtype=dtype)
 
 
+def _sglang(build: BuildDir, spec_dir: Path, base_dir: Path, out: Path, dtype: str) -> Path:
+    from specdeploy.engines import sglang
+
+    module, base, _ = _normalised(build, spec_dir, base_dir)
+    return sglang.write_eagle3(module, out, max_positions=int(base.config.get("max_position_embeddings", 4096)), dtype=dtype)
+
+
 def notes(build: BuildDir) -> list[str]:
     """What an engine will run differently from the CPU runtime, said when exporting."""
     from specdeploy.checkpoints.modules import read_spec_config
-    from specdeploy.trtllm.llmapi import first_layer_fields
+    from specdeploy.trtllm.draft_folders import first_layer_fields
 
     config: dict[str, Any] = read_spec_config(build.path("spec"))
     if config["kind"] != "eagle" or "hidden_norm_input" not in first_layer_fields(config):

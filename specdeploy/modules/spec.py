@@ -306,6 +306,12 @@ def check_fits(module: Module, base_dir: Path) -> None:
 
     base_config = AutoConfig.from_pretrained(base_dir)
     config = modelopt_config(module)
+    # ModelOpt imported inside the meta context would make its import-time tables meta tensors for the
+    # whole process (NVFP4's e2m1 bounds: a later quantize fails "Cannot copy out of meta tensor")
+    import modelopt.torch.export  # noqa: F401
+    import modelopt.torch.quantization  # noqa: F401
+    import modelopt.torch.speculative  # noqa: F401
+
     with torch.device("meta"):
         model = (converted(base_config, config, 0) if module.kind == "dflash" else
                  load_module_model(base_config, module.kind, config))

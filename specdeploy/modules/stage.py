@@ -10,7 +10,8 @@ captured layers, RoPE, dtype) and against the module ModelOpt builds from its co
 and the gate: a few held-out chat prompts decoded with the module; an EAGLE-3 or DFlash module
 whose acceptance length is under the floor is refused, naming what usually mis-loads. A wrongly
 loaded head still decodes correctly (the target verifies every token) but accepts almost nothing,
-an acceptance length near 1.0, the silent failure this catches.
+an acceptance length near 1.0, the silent failure this catches; `make verify` checks the served
+acceptance against the same floor again (served_gate).
 """
 
 from __future__ import annotations
@@ -123,6 +124,23 @@ def gate(base_dir: Path, spec_dir: Path, module: Module, floor: float, *, device
     config["imported"]["gate"] = {"acceptance_length": round(value, 3), "prompts": GATE_PROMPTS, "floor": floor}
     atomic_write_json(config_file, config)
     return value
+
+
+def served_gate(spec_dir: Path, chat_acceptance: float | None) -> str | None:
+    """`make verify`'s second look: an imported module that passed the gate at import must reach its
+    floor again on the served chat prompts (a deployment that loaded it otherwise accepts ~1.0).
+    The failure with its likely causes, or None (passed, not an imported EAGLE-3 / DFlash module,
+    or no chat prompts served)."""
+    from specdeploy.checkpoints.modules import read_spec_config
+    from specdeploy.modules.spec import from_spec
+
+    recorded = (read_spec_config(spec_dir).get("imported") or {}).get("gate")
+    if not recorded or chat_acceptance is None or chat_acceptance >= recorded["floor"]:
+        return None
+    module = from_spec(spec_dir)
+    return (f"the served acceptance length on chat prompts is {chat_acceptance:.2f}, under the imported module's floor "
+            f"{recorded['floor']} (it reached {recorded['acceptance_length']} at import): the deployment drafts almost "
+            f"nothing the base accepts. Likely causes: {likely_causes(module)}")
 
 
 def likely_causes(module: Module) -> str:

@@ -6,16 +6,8 @@ forward: every sequence feeds its pending token plus its own draft (a chain, a t
 padded to the longest, and accepts its own path, exactly as `decoding.speculative_decode` does
 for one request. Proposers draft for the whole batch where they can (`Proposer.propose_batch`).
 
-The KV cache is one transformers DynamicCache for the whole batch, which appends the same number
-of columns to every row. Instead of trimming rows to different lengths, each row keeps a boolean
-"valid column" mask: a round's columns that the row did not accept (rejected drafts, padding)
-stay in the cache but are masked out forever. Keys carry their rotary position, so a row's
-columns need be neither contiguous nor in order; only the mask and the explicit position ids
-(each row's true positions) matter. When at least half of the columns would go, every row's
-valid columns are gathered to the front (compaction). A leaving row is dropped from the batch
-dimension at once, so its memory goes with it. A row's valid columns are in its positions' order
-all the same (its i-th valid column, counting from 0, holds position i): that is how the columns
-before a position are found.
+All rows share one KV cache whose columns each row masks for itself (batch_cache.py); a row's
+own decoding state, and what `add` takes and returns, are in batch_requests.py.
 
 A round that does not speculate (more rows than `spec_off_above`) costs what a plain deployment's
 step costs: it asks the target for no hidden states and hands the proposers nothing. When
@@ -30,7 +22,6 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -38,136 +29,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.runtime.adaptive import AdaptiveDraftLength
-from specdeploy.runtime.decoding import (
-    DEFAULT_DRAFT_LEN,
-    DEFAULT_TREE_SIZE,
-    Hidden,
-    _Output,
-    _prompt_tensor,
-    eos_token_ids,
-    prefill,
-    prune,
-)
-from specdeploy.runtime.kv_cache import cache_layers, crop
-from specdeploy.runtime.sampling import make_generator, next_token
-from specdeploy.runtime.types import (
-    DraftTree,
-    GenerationMetrics,
-    GenerationResult,
-    Proposer,
-    SamplingParams,
-    TargetState,
-    model_device,
-)
+from specdeploy.runtime import batch_cache
+from specdeploy.runtime.batch_requests import BatchRequest, BatchStats, Row, Sequence
+from specdeploy.runtime.decoding import Hidden, _prompt_tensor, eos_token_ids, prefill, prune
+from specdeploy.runtime.kv_cache import crop
+from specdeploy.runtime.sampling import next_token
+from specdeploy.runtime.types import DraftTree, Proposer, model_device
 from specdeploy.runtime.verify import accept, ancestry
-
-
-@dataclass
-class BatchRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
-    #: each accepted group of tokens, called from step()'s thread; raising cancels the sequence
-    on_tokens: Callable[[list[int]], None] | None = None
-    #: this request's own proposer instead of the deployment's (e.g. draft tokens a client sent)
-    proposer: Proposer | None = None
-
-
-@dataclass(eq=False)  # compared and hashed by identity: usable as a dict key
-class Sequence:
-    """The handle `add()` returns. `result` is set when done (finish_reason stop | length |
-    cancelled); `error` too when this sequence failed on its own (then finish_reason cancelled).
-    Timestamps are time.time_ns()."""
-
-    id: int
-    arrival_ns: int
-    done: bool = False
-    result: GenerationResult | None = None
-    error: Exception | None = None
-    first_scheduled_ns: int | None = None
-    first_token_ns: int | None = None
-    last_token_ns: int | None = None
-    #: the running counts while it decodes (what on_tokens may report); result.metrics when done
-    metrics: GenerationMetrics | None = None
-
-
-@dataclass
-class BatchStats:
-    """Cumulative over the batcher's life. Positions count per sequence-round verification:
-    drafted_at_position[i] = verifications whose draft reached depth i + 1, accepted_at_position[i]
-    = those that accepted at least i + 1 draft tokens (vLLM's per-position acceptance). Accepted
-    tokens are those emitted: a stop inside an accepted path drops the rest of it."""
-
-    rounds: int = 0  # batched target forwards (prefills not counted)
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    accepted_at_position: list[int] = field(default_factory=list)
-    drafted_at_position: list[int] = field(default_factory=list)
-
-    def record(self, drafted_depth: int, accepted: int, draft_tokens: int) -> None:
-        self.draft_tokens += draft_tokens
-        self.accepted_draft_tokens += accepted
-        _count_up_to(self.drafted_at_position, drafted_depth)
-        _count_up_to(self.accepted_at_position, accepted)
-
-
-def _count_up_to(counts: list[int], n: int) -> None:
-    counts.extend([0] * (n - len(counts)))
-    for i in range(n):
-        counts[i] += 1
-
-
-class _Row:
-    """One sequence's decoding state: what `generate()` keeps in its locals."""
-
-    def __init__(self, seq: Sequence, request: BatchRequest, prompt: torch.Tensor, proposer: Proposer | None,
-                 batcher: "InflightBatcher") -> None:
-        params = request.params
-        self.seq, self.params, self.prompt, self.proposer = seq, params, prompt, proposer
-        self.chain = proposer is None or proposer.kind == "chain"
-        self.max_draft = batcher.draft_len or (DEFAULT_DRAFT_LEN if self.chain else DEFAULT_TREE_SIZE)
-        # seeded sampling must not depend on timing (adaptive.py); greedy output cannot
-        timed = params.greedy or params.seed is None
-        self.controller = AdaptiveDraftLength(self.max_draft, adaptive=batcher.adaptive and proposer is not None,
-                                              timed=timed)
-        self.hidden_layers = proposer.hidden_layers if proposer else ()
-        self.generator = make_generator(params.seed, batcher.device)
-        self.max_new = min(params.max_new_tokens, batcher.context_length - prompt.shape[1])
-        stop_ids = batcher.eos | set(params.stop_token_ids)
-        self.output = _Output(self.max_new, stop_ids, params.stop_strings, batcher.decode, request.on_tokens)
-        self.metrics = seq.metrics = GenerationMetrics(prompt_tokens=prompt.shape[1])
-        self.pending = -1  # the emitted token not yet run through the target
-        self.consumed = prompt.shape[1]  # tokens in the cache: the pending token's position
-        self.unseen: Hidden = {}  # target states the proposer has not read yet
-        # positions whose target states the proposer has read or holds in `unseen` (prefill's on joining)
-        self.captured = prompt.shape[1]
-        self.start = 0.0
-
-    def tokens(self) -> torch.Tensor:
-        """The sequence so far (1, consumed + 1): prompt, emitted tokens, the pending one last."""
-        return torch.cat([self.prompt, torch.tensor([self.output.tokens], device=self.prompt.device)], dim=1)
-
-    def state(self) -> TargetState:
-        return TargetState(tokens=self.tokens(), hidden=self.unseen, params=self.params, generator=self.generator)
-
-    def emit(self, taken: list[int]) -> bool:
-        """Stream the tokens `output.take` took (on_tokens may raise); True when the sequence is finished."""
-        now = time.time_ns()
-        self.seq.first_token_ns = self.seq.first_token_ns or now
-        self.seq.last_token_ns = now
-        self.pending = taken[-1]
-        self.output.send(taken)
-        return self.output.done
-
-    def see(self, hidden: Hidden) -> None:
-        """A proposer sees the states of every token consumed since it last proposed."""
-        self.unseen = {layer: torch.cat([self.unseen[layer], h], dim=1) if layer in self.unseen else h
-                       for layer, h in hidden.items()}
-
-    def result(self, reason: str | None) -> GenerationResult:
-        self.metrics.elapsed_s = time.perf_counter() - self.start if self.start else 0.0
-        self.metrics.new_tokens = len(self.output.tokens)
-        return GenerationResult(token_ids=self.output.tokens, finish_reason=reason, metrics=self.metrics)
 
 
 class InflightBatcher:
@@ -196,9 +64,9 @@ class InflightBatcher:
         self.stats = BatchStats()
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards _waiting and _cancel (add/cancel come from other threads)
-        self._waiting: deque[_Row] = deque()
+        self._waiting: deque[Row] = deque()
         self._cancel: set[int] = set()
-        self._rows: list[_Row] = []  # row i of the batch cache
+        self._rows: list[Row] = []  # row i of the batch cache
         self._cache: DynamicCache | None = None
         self._valid: torch.Tensor | None = None  # (rows, columns) bool: the columns holding a row's tokens
         self._finished: list[Sequence] = []
@@ -220,7 +88,8 @@ class InflightBatcher:
             raise SpecDeployError("stop strings need the tokenizer", hint="pass decode=tokenizer.decode")
         proposer = request.proposer or (self.proposer_factory() if self.proposer_factory else None)
         seq = Sequence(id=next(self._ids), arrival_ns=time.time_ns())
-        row = _Row(seq, request, prompt, proposer, self)
+        row = Row(seq, request, prompt, proposer, draft_len=self.draft_len, adaptive=self.adaptive, device=self.device,
+                  context_length=self.context_length, eos=self.eos, decode=self.decode)
         with self._lock:
             self._waiting.append(row)
         return seq
@@ -243,7 +112,7 @@ class InflightBatcher:
         return self._finished
 
     # ------------------------------------------------------------------ lifecycle
-    def _finish(self, row: _Row, reason: str | None = None, error: Exception | None = None) -> None:
+    def _finish(self, row: Row, reason: str | None = None, error: Exception | None = None) -> None:
         row.seq.error = error
         row.seq.result = row.result(reason or row.output.finish_reason or "length")
         row.seq.done = True
@@ -268,7 +137,7 @@ class InflightBatcher:
                 row = self._waiting.popleft()
             self._prefill(row)
 
-    def _prefill(self, row: _Row) -> None:
+    def _prefill(self, row: Row) -> None:
         """Prefill a request alone and join it to the batch (unless its first token ends it)."""
         row.seq.first_scheduled_ns = time.time_ns()
         row.start = time.perf_counter()
@@ -282,7 +151,7 @@ class InflightBatcher:
         except Exception as err:  # this request's failure (its on_tokens, say): the batch goes on
             self._finish(row, "cancelled", err)
             return
-        self._join(cache)
+        self._cache, self._valid = batch_cache.join(self._cache, self._valid, cache, self.device)
         self._rows.append(row)
 
     def _retire(self) -> None:
@@ -293,42 +162,8 @@ class InflightBatcher:
             return
         if len(keep) < len(self._rows):
             self._rows = [self._rows[i] for i in keep]
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            for layer in cache_layers(self._cache):
-                layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
-                layer.values = layer.values.index_select(0, index.to(layer.values.device))
-            self._valid = self._valid.index_select(0, index)
-        self._compact()
-
-    # ------------------------------------------------------------------ the batch cache
-    def _join(self, cache: DynamicCache) -> None:
-        """Append a prefilled request's cache as a new row; the shorter side is padded with
-        masked columns."""
-        length = cache.get_seq_length()
-        mine = torch.ones(1, length, dtype=torch.bool, device=self.device)
-        if self._cache is None:
-            self._cache, self._valid = cache, mine
-            return
-        width = max(self._valid.shape[1], length)
-        for batch_layer, new_layer in zip(cache_layers(self._cache), cache_layers(cache)):
-            batch_layer.keys = _stack_padded(batch_layer.keys, new_layer.keys, width)
-            batch_layer.values = _stack_padded(batch_layer.values, new_layer.values, width)
-        self._valid = torch.cat([F.pad(self._valid, (0, width - self._valid.shape[1])),
-                                 F.pad(mine, (0, width - length))])
-
-    def _compact(self) -> None:
-        """Gather each row's valid columns to the front when that frees at least half the cache."""
-        counts = self._valid.sum(dim=1)
-        width = int(counts.max())
-        if 2 * width > self._valid.shape[1]:
-            return
-        # a stable sort of "invalid" puts each row's valid columns first, in their order
-        order = torch.sort(~self._valid, dim=1, stable=True).indices[:, :width]
-        for layer in cache_layers(self._cache):
-            index = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
-                                                                         layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        self._valid = torch.arange(width, device=self.device)[None] < counts[:, None]
+            self._valid = batch_cache.keep_rows(self._cache, self._valid, keep)
+        self._valid = batch_cache.compact(self._cache, self._valid)
 
     # ------------------------------------------------------------------ one round
     def _round(self) -> None:
@@ -353,16 +188,16 @@ class InflightBatcher:
                 for i, (row, tree) in enumerate(zip(rows, trees))]
         self._valid = torch.cat([self._valid, torch.tensor(kept, dtype=torch.bool, device=self.device)], dim=1)
 
-    def _speculates(self, rows: list[_Row]) -> bool:
+    def _speculates(self, rows: list[Row]) -> bool:
         return self.spec_off_above is None or len(rows) <= self.spec_off_above
 
-    def _fail(self, rows: list[_Row], err: Exception) -> None:
+    def _fail(self, rows: list[Row], err: Exception) -> None:
         """A batch forward failed: the cache is no longer whole, so every row ends with the error."""
         for row in rows:
             if not row.seq.done:
                 self._finish(row, "cancelled", err)
 
-    def _catch_up(self, rows: list[_Row]) -> None:
+    def _catch_up(self, rows: list[Row]) -> None:
         """Hand each proposer the target states of the positions consumed while speculation was
         off: they run through the target once more, all rows in one forward over the batch cache,
         each query seeing its row's cached positions before its own (which hold exactly what the
@@ -376,14 +211,12 @@ class InflightBatcher:
             ids.append(row.tokens()[0, row.captured: row.consumed].tolist() + [row.pending] * (width - n))
             positions.append(list(range(row.captured, row.consumed)) + [row.consumed] * (width - n))
         position = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # a row's valid column of rank k (its k-th, counting from 1) holds position k - 1: position p sees ranks <= p
-        rank = self._valid.cumsum(dim=1)
-        past = self._valid[:, None, :] & (rank[:, None, :] <= position[:, :, None])
+        past = batch_cache.seen_before(self._valid, position)
         itself = torch.eye(width, dtype=torch.bool, device=self.device).expand(len(rows), -1, -1)
         out = self.target.get_decoder()(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             position_ids=position,
-            attention_mask=self._mask(torch.cat([past, itself], dim=2)),
+            attention_mask=batch_cache.additive_mask(torch.cat([past, itself], dim=2), self.target.dtype),
             past_key_values=self._cache,
             use_cache=True,
             output_hidden_states=True,
@@ -394,13 +227,7 @@ class InflightBatcher:
                 row.see({layer: out.hidden_states[layer][i : i + 1, :n] for layer in row.hidden_layers})
                 row.captured = row.consumed
 
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """An additive attention mask (rows, 1, queries, columns) from a boolean one."""
-        dtype = self.target.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        return mask[:, None]
-
-    def _draft(self, rows: list[_Row], speculate: bool) -> list[DraftTree]:
+    def _draft(self, rows: list[Row], speculate: bool) -> list[DraftTree]:
         """This round's draft for each row (empty: a plain step), proposed together where the
         proposer can (`Proposer.propose_batch`)."""
         lengths = [row.controller.next_length() if speculate and row.proposer is not None else 0 for row in rows]
@@ -418,14 +245,14 @@ class InflightBatcher:
                 trees[row] = prune(tree, row.max_draft, row.max_new - len(row.output.tokens) - 1)
         return [trees[row] for row in rows]
 
-    def _propose_alone(self, row: _Row, max_tokens: int) -> DraftTree:
+    def _propose_alone(self, row: Row, max_tokens: int) -> DraftTree:
         try:
             return row.proposer.propose(row.state(), max_tokens)
         except Exception as err:  # its proposer's failure: the row rides along padded, then leaves
             self._finish(row, "cancelled", err)
             return DraftTree.empty(self.device)
 
-    def _verify(self, rows: list[_Row], trees: list[DraftTree]) -> tuple[torch.Tensor, Hidden]:
+    def _verify(self, rows: list[Row], trees: list[DraftTree]) -> tuple[torch.Tensor, Hidden]:
         """One target forward over every row's [pending] + draft, padded to the longest: logits
         (rows, width, vocab) and, in a round that speculates, the hidden states the proposers asked for."""
         width = 1 + max(len(tree) for tree in trees)
@@ -442,26 +269,21 @@ class InflightBatcher:
         out = self.target(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             position_ids=torch.tensor(positions, dtype=torch.long, device=self.device),
-            attention_mask=self._mask(allowed),
+            attention_mask=batch_cache.additive_mask(allowed, self.target.dtype),
             past_key_values=self._cache,
             use_cache=True,
             output_hidden_states=bool(layers),
         )
         return out.logits, {layer: out.hidden_states[layer] for layer in layers}
 
-    def _advance(self, i: int, row: _Row, tree: DraftTree, logits: torch.Tensor, hidden: Hidden,
+    def _advance(self, i: int, row: Row, tree: DraftTree, logits: torch.Tensor, hidden: Hidden,
                  seconds: float | None) -> list[bool]:
         """Accept row i's path and emit it; which of the round's columns the row keeps.
         `seconds` None: a round forced plain by spec_off_above, which says nothing to the controller."""
         width = logits.shape[1]
         if row.seq.done:  # failed while drafting: leaves at the end of the step
             return [False] * width
-        if len(tree):
-            acceptance = accept(tree, logits[i, : 1 + len(tree)], row.params, row.generator)
-            group, path = acceptance.tokens(tree), acceptance.path
-            row.proposer.update(len(path), len(tree))
-        else:
-            group, path = [next_token(logits[i, 0], row.params, row.generator)], []
+        group, path = self._accept(i, row, tree, logits)
         columns = [0] + [node + 1 for node in path]
         if row.hidden_layers and hidden:  # a round that speculates hands the proposer its states
             index = torch.tensor(columns, dtype=torch.long, device=self.device)
@@ -472,10 +294,7 @@ class InflightBatcher:
             row.controller.record(len(path), len(tree), seconds)
         taken = row.output.take(group)
         emitted = min(len(path), len(taken))  # a stop inside the path: its tail is never emitted
-        self.stats.record(max(tree.depths(), default=0), emitted, len(tree))
-        row.metrics.target_forwards += 1
-        row.metrics.draft_tokens += len(tree)
-        row.metrics.accepted_draft_tokens += emitted
+        self._count(row, tree, emitted)
         row.consumed += len(columns)
         try:
             if row.emit(taken):
@@ -484,7 +303,18 @@ class InflightBatcher:
             self._finish(row, "cancelled", err)
         return [column in columns for column in range(width)]
 
+    def _accept(self, i: int, row: Row, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Row i's accepted tokens and the draft nodes on their path (none for a plain step)."""
+        if not len(tree):
+            return [next_token(logits[i, 0], row.params, row.generator)], []
+        acceptance = accept(tree, logits[i, : 1 + len(tree)], row.params, row.generator)
+        group, path = acceptance.tokens(tree), acceptance.path
+        row.proposer.update(len(path), len(tree))
+        return group, path
 
-def _stack_padded(batch: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
-    """Batch KV (rows, heads, cols, dim) and one new row, both padded to `width` columns."""
-    return torch.cat([F.pad(batch, (0, 0, 0, width - batch.shape[-2])), F.pad(new, (0, 0, 0, width - new.shape[-2]))])
+    def _count(self, row: Row, tree: DraftTree, emitted: int) -> None:
+        """One verification in the batcher's counters and the sequence's."""
+        self.stats.record(max(tree.depths(), default=0), emitted, len(tree))
+        row.metrics.target_forwards += 1
+        row.metrics.draft_tokens += len(tree)
+        row.metrics.accepted_draft_tokens += emitted

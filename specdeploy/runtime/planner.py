@@ -17,12 +17,7 @@ against plain decoding's 1 / step_s. Both come from one greedy calibration on he
   smaller one's nodes, so tree acceptance is made non-decreasing in size by pooling neighbours
   that measured otherwise (few rounds each: noise). An empty draft is a round that accepted nothing.
 
-Under load the balance moves: an in-flight batch verifies every row in one forward, whose cost
-grows slowly with the batch, while most proposers draft row by row (EAGLE drafts the batch
-together, at a cost that still grows with it). `measure_load_curve` runs batches of 1..n
-requests on the deployment and on its plain twin (the AR twin a server is compared with), their
-rounds interleaved, and `spec_off_above` is the largest batch up to which speculating paid
-(Arctic's disable_by_batch_size).
+The load up to which to speculate is measured in load_plan.py.
 """
 
 from __future__ import annotations
@@ -30,22 +25,20 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.runtime.batch import BatchRequest, InflightBatcher
-from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN, generate
+from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingParams, TargetState
 
 
 # Acceptance falls along an answer (docs/measurements.md, 2026-11-25: verify's prompts, chain 3, 1.64 tokens
 # per round over an answer's first 16 tokens, 1.21-1.23 past its 48th), so both plans measure away from the
-# start: the shape planner over answers of CALIBRATION_TOKENS, the load plan after LOAD_WARMUP plain
-# rounds. Calibrated on 48-token answers, the planner expected 1.37x where `make verify` served 0.99x.
+# start: the shape planner over answers of CALIBRATION_TOKENS, the load plan (load_plan.py) after
+# LOAD_WARMUP plain rounds. Calibrated on 48-token answers, the planner expected 1.37x where `make verify` served 0.99x.
 CALIBRATION_TOKENS = 128
-LOAD_WARMUP = 24
 
 # A deeper draft's extra acceptance is the part that varies most from prompt to prompt (2026-11-25:
 # a tree of 4 made 1.81 tokens per round on the calibration prompts and 1.51-1.64 on verify's, a
@@ -56,7 +49,8 @@ LOAD_WARMUP = 24
 SHAPE_MARGIN = 0.10
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a clock read after it times that work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -122,7 +116,7 @@ class _Rotation(Proposer):
         self.first, self.open = True, None
 
     def propose(self, state: TargetState, max_tokens: int) -> DraftTree:
-        _synchronize(state.tokens.device)
+        synchronize(state.tokens.device)
         now = time.perf_counter()
         if self.open is not None:
             self.times.append(now - self.open)
@@ -308,102 +302,6 @@ def calibration_prompts(tokenizer: Any, n: int = 4) -> list[list[int]]:
     chats = data.sharegpt_prompts(None, "heldout", max_chars=1000)[-(n - n // 2):]
     codes = data.humaneval_prompts()[-(n // 2):] if n // 2 else []
     return [chat_ids(tokenizer, text) for text in chats] + [text_ids(tokenizer, text) for text in codes]
-
-
-# ---------------------------------------------------------------------- load
-
-
-@dataclass
-class LoadPoint:
-    """One in-flight batch of `batch` sequences: tokens/s of its speculative rounds and of its
-    plain twin's rounds."""
-
-    batch: int
-    spec_tokens: int
-    spec_s: float
-    plain_tokens: int
-    plain_s: float
-
-    @property
-    def speedup(self) -> float:
-        return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "spec_tokens_per_s": self.spec_tokens / self.spec_s,
-                "plain_tokens_per_s": self.plain_tokens / self.plain_s, "speedup": self.speedup}
-
-
-def measure_load_curve(make_batcher: Callable[[int], InflightBatcher], prompts: list[list[int]], batch_sizes: list[int], *,
-                       rounds: int = 12, max_draft: int = DEFAULT_DRAFT_LEN, warmup: int = LOAD_WARMUP) -> list[LoadPoint]:
-    """For each size: batches of that many greedy requests on `make_batcher(size)` and the same
-    requests on its plain twin (the deployment without its proposer: what a server's AR twin runs),
-    as many as it takes for every prompt to be in one (a batch of 1 measured on one prompt alone is
-    one prompt's acceptance). Each decodes `warmup` plain rounds untimed; the deployment then
-    resumes speculating with one untimed round (it takes in the warm-up's target states), and
-    `rounds` of its speculative rounds and `rounds` of the twin's run in ABBA order; tokens/s of
-    each over them all. A size whose rows end before both ran is left out."""
-    points = []
-    for size in batch_sizes:
-        seconds, tokens = {True: 0.0, False: 0.0}, {True: 0, False: 0}
-        for first in range(0, max(len(prompts), 1), size):
-            batch = [prompts[(first + i) % len(prompts)] for i in range(size)]
-            speculative = make_batcher(size)
-            _time_rounds({True: speculative, False: _plain_twin(speculative)}, batch, rounds, max_draft, warmup,
-                         seconds, tokens)
-        if seconds[True] and seconds[False]:
-            points.append(LoadPoint(size, tokens[True], seconds[True], tokens[False], seconds[False]))
-    return points
-
-
-def _plain_twin(batcher: InflightBatcher) -> InflightBatcher:
-    """`batcher`'s deployment without its proposer."""
-    return InflightBatcher(batcher.target, None, max_batch_size=batcher.max_batch_size, decode=batcher.decode,
-                           context_length=batcher.context_length)
-
-
-def _time_rounds(batchers: dict[bool, InflightBatcher], batch: list[list[int]], rounds: int, max_draft: int,
-                 warmup: int, seconds: dict[bool, float], tokens: dict[bool, int]) -> None:
-    """Decode `batch` on the speculative (True) and the plain (False) batcher, adding the time and
-    tokens of their timed rounds."""
-    emitted: dict[bool, list[int]] = {True: [], False: []}
-    params = SamplingParams(max_new_tokens=warmup + (rounds + 1) * (max_draft + 1) + 2)
-    for speculate, batcher in batchers.items():
-        count = emitted[speculate].append
-        for ids in batch:
-            batcher.add(BatchRequest(ids, params, on_tokens=lambda group, count=count: count(len(group))))
-        batcher.spec_off_above = 0
-        for _ in range(1 + warmup):  # the first admits (prefills) every request; none is counted
-            batcher.step()
-    batchers[True].spec_off_above = None
-    batchers[True].step()
-    for r in range(2 * rounds):
-        speculate = r % 4 in (0, 3)
-        batcher = batchers[speculate]
-        if batcher.active < len(batch):
-            break
-        before = len(emitted[speculate])
-        _synchronize(batcher.device)
-        start = time.perf_counter()
-        batcher.step()
-        _synchronize(batcher.device)
-        seconds[speculate] += time.perf_counter() - start
-        tokens[speculate] += sum(emitted[speculate][before:])
-
-
-def break_even(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:
-    """The first level (concurrency, batch size) whose speed-up is below `pays`: from there on
-    speculation does not pay."""
-    return next((level for level, s in zip(levels, speedups) if s is not None and s < pays), None)
-
-
-def suggested_spec_off_above(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:
-    """`spec_off_above` from a speed-up curve: speculate only in batches as large as the largest
-    level before the break-even (None: it paid at every level; 0: not even alone)."""
-    point = break_even(levels, speedups, pays)
-    if point is None:
-        return None
-    paying = [level for level in levels if level < point]
-    return max(paying) if paying else 0
 
 
 def describe(plan: Plan) -> str:

@@ -14,7 +14,7 @@ from specdeploy.fileio import atomic_write_json
 from specdeploy.trtllm.llmapi import DraftStructure
 from specdeploy.triton.cpu_repo import DEPLOYMENT_FILE
 
-CPU_PLAN = 7  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
+CPU_PLAN = 8  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
 PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
 CPU_DRAFT_SHAPES = ("fixed", "auto")
 # A batch speculates where its rounds measured at least this much faster in-process: served, the
@@ -61,16 +61,26 @@ def plan_cpu_shape(path: Path, structure: DraftStructure | None) -> dict[str, An
     return {"options": decoder.proposer.shape_options(shape), "plan": plan.as_dict()}
 
 
+def load_sizes(max_batch_size: int) -> list[int]:
+    """The in-flight batch sizes the load plan measures: the powers of two up to max_batch_size,
+    and max_batch_size itself. The speed-up falls smoothly with the batch, so these place the
+    break-even as `make loadtest`'s concurrencies (1, 2, 4, 8) see it, in about half the time of
+    every size; between two measured sizes, speculation stops at the smaller (the safe side)."""
+    sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
+    return sizes + ([max_batch_size] if sizes[-1] != max_batch_size else [])
+
+
 def plan_cpu_load(path: Path, max_batch_size: int) -> dict[str, Any]:
     """The CPU deployment's spec_off_above, measured on the deployment as written (its planned
-    shape): in-flight batches of 1..max_batch_size, speculative and plain rounds interleaved.
-    At least 1: alone, the deployment speculates, as the build asked."""
+    shape): in-flight batches of load_sizes(max_batch_size), speculative and plain rounds
+    interleaved. At least 1: alone, the deployment speculates, as the build asked."""
     from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
     from specdeploy.runtime.deployment import load_decoder
-    from specdeploy.runtime.planner import calibration_prompts, measure_load_curve, suggested_spec_off_above
+    from specdeploy.runtime.load_plan import measure_load_curve, suggested_spec_off_above
+    from specdeploy.runtime.planner import calibration_prompts
 
     decoder = load_decoder(path)
-    sizes = list(range(1, max_batch_size + 1))
+    sizes = load_sizes(max_batch_size)
     points = measure_load_curve(lambda size: decoder.batcher(max_batch_size=size), calibration_prompts(decoder.tokenizer),
                                 sizes, max_draft=decoder.draft_len or DEFAULT_DRAFT_LEN)
     off_above = suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points], LOAD_PAYS)

@@ -1,16 +1,22 @@
 """triton_repo/gpu_routes.json and triton_repo/README.md: which GPU routes a packaged build has
-(engine, llmapi), which one to run, what each needs on a GPU host and the release they were
-written for; read back by build_scripts/gpu_host.sh, `specdeploy verify --server trtllm` and
-`make engine`'s summary. Paths are `$BUILD_DIR/...`, resolved where the build is mounted.
+(TensorRT-LLM's engine and llmapi; vLLM and SGLang under "engines"), which TensorRT-LLM route to
+run, what each needs on a GPU host and the releases they were written for; read back by
+build_scripts/gpu_host.sh, `specdeploy verify --server trtllm` and `make engine`'s summary. Paths
+are `$BUILD_DIR/...`, resolved where the build is mounted. write_gpu_routes writes it all at package
+time, the vLLM and SGLang folders included (specdeploy/engines/routes.py).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+from specdeploy.engines.routes import SCRIPT, write_engine_routes
 from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir
+from specdeploy.trtllm.hostpaths import resolve
 from specdeploy.trtllm.llmapi import DraftStructure
 from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, release_for
 from specdeploy.triton.cpu_plan import PLAN_FILE
@@ -21,10 +27,27 @@ OUT = "triton_repo"  # the package stage's folder in the build: the routes' path
 ROUTES_FILE = "gpu_routes.json"
 
 
+def write_gpu_routes(tmp: Path, build: BuildDir, kind: str, converted: dict[str, Any] | None,
+                     structure: DraftStructure | None, settings: dict[str, Any], knobs: dict[str, Any] | None,
+                     model_dir: Path) -> dict[str, Any]:
+    """The package stage's last writer: tmp/{vllm,sglang}/ (engines.routes), tmp/gpu_routes.json and
+    tmp/README.md, as they will be once tmp is published as build/<name>/triton_repo."""
+    draft = settings.get("draft_model_dir")
+    engines = write_engine_routes(tmp, build, kind, structure, model_dir=model_dir, published=build.root.resolve() / OUT,
+                                  draft_model=Path(draft) if draft else None, tp=(converted or {}).get("tp_size", 1),
+                                  pp=(converted or {}).get("pp_size", 1))
+    routes = routes_json(kind, converted, structure, settings, knobs, engines=engines)
+    atomic_write_json(tmp / ROUTES_FILE, routes)
+    atomic_write_text(tmp / "README.md", readme(routes))
+    return routes
+
+
 def routes_json(kind: str, converted: dict[str, Any] | None, structure: DraftStructure | None, settings: dict[str, Any],
-                knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                knobs: dict[str, Any] | None = None,
+                engines: tuple[dict[str, Any], dict[str, str]] | None = None) -> dict[str, Any]:
     """gpu_routes.json: the GPU routes this build has, the one to run, what each needs on the host,
-    and the release they were written for (its image, pins and serve flag)."""
+    and the release they were written for (its image, pins and serve flag); with `engines` (the
+    vLLM and SGLang routes and refusals engines.routes wrote) those too."""
     converted = converted or {}
     world = converted.get("tp_size", 1) * converted.get("pp_size", 1)
     routes: dict[str, Any] = {}
@@ -48,13 +71,16 @@ def routes_json(kind: str, converted: dict[str, Any] | None, structure: DraftStr
         }
     recommended = next((r for r in ("llmapi", "engine") if r in routes), None)
     version = converted.get("trtllm_version") or DEFAULT_TRTLLM_VERSION
-    return {
+    written = {
         "trtllm_version": version, "release": release_for(version).as_dict(),
         "kind": kind, "recommended": recommended, "routes": routes,
         "refused": {name: converted.get(f"{name}_reason") for name in ("engine", "llmapi") if name not in routes},
         "structure": structure.as_dict() if structure else None,
         "note": "paths are $BUILD_DIR/...: build_scripts/gpu_host.sh resolves them where the build is mounted",
     }
+    if engines is not None:  # beside TensorRT-LLM's routes: gpu_host.sh runs those, a user runs these
+        written["engines"], written["engines_refused"] = engines
+    return written
 
 
 def gpu_routes(build: BuildDir) -> dict[str, Any]:
@@ -77,6 +103,9 @@ def gpu_summary(build: BuildDir) -> list[str]:
     else:
         lines.append("No TensorRT-LLM route for this build: nothing to run on a GPU host")
     lines += [f"no {name} route: {why}" for name, why in routes["refused"].items() if why]
+    lines += [f"{route['release']['engine']} {route['release']['version']}: {resolve(route['script'], build.root)}"
+              for route in routes.get("engines", {}).values()]
+    lines += [f"no {name} route: {why}" for name, why in routes.get("engines_refused", {}).items()]
     return lines
 
 
@@ -98,6 +127,12 @@ def readme(routes: dict[str, Any]) -> str:
                      f"configuration for `trtllm-serve {routes['release']['serve_flag']}` (gpu_host.sh --assemble writes it "
                      "with its paths resolved).")
     lines += [f"- no `{name}/`: {why}" for name, why in routes["refused"].items() if why]
+    for name, route in routes.get("engines", {}).items():
+        release = route["release"]
+        lines.append(f"- `{name}/`: {release['engine']} {release['version']} (`pip install {release['install']}`) drafts with "
+                     f"`{route['module']}`; `{name}/{SCRIPT}` runs `{route['command']}`.")
+        lines += [f"  Note: {note}" for note in route["notes"]]
+    lines += [f"- no `{name}/`: {why}" for name, why in routes.get("engines_refused", {}).items()]
     lines += ["", "GPU-side paths read `$BUILD_DIR/...`: `build_scripts/gpu_host.sh build/<name>` resolves them where the "
               "build is mounted, assembles the repository, starts the server and runs `specdeploy verify` against it "
               "(`--dry-run` prints the commands)."]

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specdeploy.choices import ChoicesTree
+from specdeploy.engines import sglang, vllm
 from specdeploy.device import check_device_spec
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.trtllm.hostpaths import build_path
 from specdeploy.trtllm.llmapi import DraftStructure
@@ -42,7 +42,7 @@ from specdeploy.triton.cpu_repo import (CPU_MAX_BATCH_SIZE, SERVE_DTYPES, cpu_op
                                         write_cpu_repo)
 from specdeploy.triton.engine_repo import write_engine_repo
 from specdeploy.triton.llmapi_repo import gpu_knobs, write_llmapi_repo
-from specdeploy.triton.routes import OUT, ROUTES_FILE, gpu_summary, readme, routes_json
+from specdeploy.triton.routes import OUT, gpu_summary, write_gpu_routes
 from specdeploy.triton.templating import templates_digest
 
 STAGE = "package"
@@ -111,6 +111,7 @@ def run(
         "max_batch_size": max_batch_size, "cpu_max_batch_size": cpu_max_batch_size, "spec_off_above": spec_off_above,
         "cpu_draft_shape": cpu_draft_shape, "cpu_plan": CPU_PLAN if cpu_draft_shape == "auto" else None, "decoupled": decoupled,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction, "templates": templates_digest(),
+        "engines": {"vllm": vllm.RELEASE.version, "sglang": sglang.RELEASE.version},  # the releases their routes are for
     }
     consumes = tuple(s for s in _UPSTREAM if build.record(s) is not None)
     if build.completed(STAGE, settings, consumes=consumes):
@@ -149,9 +150,7 @@ def _write_repos(tmp: Path, build: BuildDir, model_dir: Path, spec_dir: Path, tr
         knobs = gpu_knobs(converted, structure, tmp / "cpu" / PLAN_FILE)
         write_llmapi_repo(tmp / "llmapi", converted["llmapi"]["model"], converted["llmapi"], limits,
                           tp=converted["tp_size"], pp=converted["pp_size"], knobs=knobs, **gpu)
-    routes = routes_json(kind, converted, structure, settings, knobs)
-    atomic_write_json(tmp / ROUTES_FILE, routes)
-    atomic_write_text(tmp / "README.md", readme(routes))
+    write_gpu_routes(tmp, build, kind, converted, structure, settings, knobs, model_dir)
 
 
 # ---------------------------------------------------------------------------------------------

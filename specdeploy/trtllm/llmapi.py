@@ -13,26 +13,26 @@ What is written depends on the release line the GPU host runs (`--trtllm-version
   deployment decodes with the same DraftStructure.
 - `eagle3_layers_to_capture` is written explicitly: TRT-LLM's default {1, n//2-1, n-4} is a
   set, so on a shallow base it collapses and no longer matches the module's fc width.
-- The EAGLE-3 draft folder carries its layer as `midlayer.*` (TRT-LLM's Eagle3DraftModel names it so),
-  and names the first layer's norms where they are not what TRT-LLM computes (first_layer_fields); a
-  module whose residual is its normed hidden state (speculators' norm_before_residual) gets no route.
-- DFlash drafts a chain of at most block_size - 1 tokens in one forward; its draft folder is the
-  spec stage's ModelOpt export (spec/dflash_export), and mask_token_id / target_layer_ids are
-  written explicitly as the module was trained.
+- An EAGLE-3 module whose residual is its normed hidden state (speculators' norm_before_residual)
+  gets no route: TRT-LLM adds the un-normed one.
+- DFlash drafts a chain of at most block_size - 1 tokens in one forward; mask_token_id /
+  target_layer_ids are written explicitly as the module was trained.
+
+This file is the configuration side (the speculative_config, the LLM() arguments, which builds
+get the route); the draft model folders those configs name are written by draft_folders.py.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
-from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, RELEASES, Release
+from specdeploy.fileio import atomic_write_json, atomic_write_text
+from specdeploy.trtllm.draft_folders import DFLASH_FOLDER, DRAFT_FOLDER, dflash_draft, eagle3_draft, first_layer_fields
 from specdeploy.trtllm.hostpaths import build_path
+from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, RELEASES, Release
 
 MODES = ("chain", "dynamic")
 KINDS = ("eagle", "draft", "ngram", "dflash")  # what the LLM API speculates with (Medusa: engine flow only)
@@ -40,8 +40,6 @@ KINDS = ("eagle", "draft", "ngram", "dflash")  # what the LLM API speculates wit
 # longest suffix of up to 3 tokens, the most recent continuation, one pool per request.
 NGRAM_DEFAULTS = {"max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": False, "is_public_pool": False}
 MAX_RUNTIME_DEPTH = 8  # the CPU runtime's EAGLE proposer drafts at most this deep (runtime/proposers/eagle.py)
-DRAFT_FOLDER = "eagle3_draft"
-DFLASH_FOLDER = "dflash_draft"
 
 
 def add_trtllm_version_arg(parser: Any) -> None:
@@ -231,7 +229,7 @@ def model_yaml(model: str, args: dict[str, Any], *, decoupled: bool) -> dict[str
     return {"model": model, **args, "triton_config": {"max_batch_size": 0, "decoupled": decoupled}}
 
 
-# ------------------------------------------------------------------------------ DFlash draft
+# ------------------------------------------------------------------ what the module tells the config
 
 
 def dflash_fields(spec: Any, structure: DraftStructure) -> dict[str, Any]:
@@ -248,41 +246,6 @@ def dflash_fields(spec: Any, structure: DraftStructure) -> dict[str, Any]:
     return {"mask_token_id": int(config["dflash_mask_token_id"]), "target_layer_ids": [int(i) for i in layers]}
 
 
-def dflash_draft(spec_dir: Path | None, out: Path, dtype: str = "bfloat16") -> Path:
-    """out/dflash_draft: the spec stage's ModelOpt export (config.json with dflash_config + weights)
-    in the deployment's dtype (ModelOpt exports the base's, float32 here, which TensorRT-LLM's
-    kernels mostly lack), its config readable by the GPU host's transformers (hfcompat). The CPU
-    deployment reads the module from spec/, not from here."""
-    import torch
-    from safetensors.torch import load_file, save
-
-    from specdeploy.hfcompat import compatible_config, with_dtype
-
-    ready = Path(spec_dir or ".") / "dflash_export"
-    if spec_dir is None or not ((ready / "config.json").is_file() and list(ready.glob("*.safetensors"))):
-        raise SpecDeployError(f"DFlash on the LLM-API route needs the spec stage's export ({ready})",
-                              hint="re-run `specdeploy spec --spec dflash`: it writes spec/dflash_export")
-    config = with_dtype(json.loads((ready / "config.json").read_text()), dtype)
-    final = out / DFLASH_FOLDER
-    shutil.rmtree(final, ignore_errors=True)
-    shutil.copytree(ready, final)
-    for file in final.glob("*.safetensors"):
-        tensors = load_file(str(file))
-        cast = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
-        atomic_write_bytes(file, save(cast, metadata={"format": "pt"}))
-    atomic_write_json(final / "config.json", compatible_config(config))
-    return final
-
-
-# ------------------------------------------------------------------------------ EAGLE-3 draft
-
-
-def is_eagle3(spec: Any) -> bool:
-    """ModelOpt's EAGLE-3 layout: auxiliary hidden states of several base layers (fc + hidden_norm)."""
-    arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
-    return bool(arch.get("use_aux_hidden_state")) or any(".hidden_norm." in k for k in (spec.module or {}))
-
-
 def layers_to_capture(spec: Any) -> list[int]:
     """The base layers the module's fc reads (ModelOpt's eagle_aux_hidden_state_layer_ids)."""
     arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
@@ -291,90 +254,6 @@ def layers_to_capture(spec: Any) -> list[int]:
         raise SpecDeployError("spec_config.json names no eagle_aux_hidden_state_layer_ids",
                               hint="re-run `specdeploy spec`: it records the layers the module was trained on")
     return sorted(set(int(i) for i in layers))
-
-
-def export_eagle3(base_dir: Path, spec_dir: Path, out: Path) -> Path:
-    """ModelOpt's own EAGLE-3 draft export (a LlamaForCausalLMEagle3 folder) from the spec stage's module."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    import modelopt.torch.speculative as mtsp
-    from modelopt.torch.export import export_speculative_decoding
-
-    spec_config = json.loads((spec_dir / "spec_config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    mtsp.convert(model, [("eagle", json.loads(json.dumps(spec_config["modelopt_config"])))])
-    module = load_file(str(spec_dir / "module.safetensors"))
-    missing = set(module) - set(model.state_dict())
-    if missing:
-        raise SpecDeployError(f"module tensors {sorted(missing)[:3]} do not fit the EAGLE module built from spec_config.json")
-    model.load_state_dict(module, strict=False)
-    with torch.inference_mode():
-        export_speculative_decoding(model, export_dir=out)
-    return out
-
-
-def first_layer_fields(spec_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The first layer's norms where they are not what TensorRT-LLM computes (hidden_norm on the fc
-    output, residual un-normed: checkpoints.modules.eagle.HIDDEN_NORM_INPUTS): the draft folder says so (engines
-    ignore the keys; specdeploy's import reads them back). Empty for an engine-shaped module."""
-    from specdeploy.checkpoints.modules.eagle import first_layer_norms
-
-    arch = ((spec_config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
-    source, before_residual = first_layer_norms(arch)
-    fields: dict[str, Any] = {} if source == "fc" else {"hidden_norm_input": source}
-    return {**fields, "norm_before_residual": True} if before_residual else fields
-
-
-def training_rope_scaling(spec: Any) -> dict[str, Any] | None:
-    """The module's own rope_scaling (None: plain RoPE), as the spec stage trained it."""
-    arch = ((spec.config or {}).get("modelopt_config") or {}).get("eagle_architecture_config") or {}
-    scaling = arch.get("rope_scaling") or {}
-    return None if (scaling.get("rope_type") or scaling.get("type") or "default") == "default" else scaling
-
-
-def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | None, dtype: str = "bfloat16",
-                       first_layer: dict[str, Any] | None = None) -> Path:
-    """The draft folder the GPU host loads: ModelOpt's export with its single decoder layer as
-    `midlayer.*`, the RoPE the module was trained with (ModelOpt's exporter injects a YaRN
-    rope_scaling into a plain-RoPE module, which would make the GPU draft differ from the CPU one),
-    the weights in the deployment's dtype (ModelOpt exports float32, which TensorRT-LLM's kernels
-    mostly lack) and a config the GPU host's transformers reads as ours does (hfcompat). The CPU
-    deployment reads the module from spec/, not from here."""
-    import torch
-    from safetensors.torch import load_file, save
-
-    from specdeploy.hfcompat import compatible_config, with_dtype
-
-    tensors = load_file(str(next(export.glob("*.safetensors"))))
-    layers = {k.split(".")[1] for k in tensors if k.startswith("layers.")}
-    if len(layers) == 1:
-        tensors = {("midlayer." + k.split(".", 2)[2]) if k.startswith("layers.") else k: v for k, v in tensors.items()}
-    config = with_dtype(json.loads((export / "config.json").read_text()), dtype)
-    config["rope_scaling"] = rope_scaling
-    config.update(first_layer or {})
-    cast = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "model.safetensors", save(cast, metadata={"format": "pt"}))
-    atomic_write_json(out / "config.json", compatible_config(config))
-    return out
-
-
-def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
-    """out/eagle3_draft from the spec stage's export (spec/eagle3_export), exporting it if absent;
-    weights in `dtype`, the deployment's (bfloat16 unless the target is deployed in another)."""
-    if spec_dir is None:
-        raise SpecDeployError("EAGLE-3 on the LLM-API route needs the spec stage output (spec/)")
-    if not is_eagle3(spec):
-        raise SpecDeployError("this EAGLE module is EAGLE-1/2 shaped; TensorRT-LLM's LLM API runs EAGLE-3 drafts only",
-                              hint="train the module with `specdeploy spec` (ModelOpt EAGLE-3)")
-    ready = Path(spec_dir) / "eagle3_export"
-    if not ((ready / "config.json").exists() and list(ready.glob("*.safetensors"))):
-        ready = export_eagle3(base_dir, Path(spec_dir), out / ".eagle3_export")
-    folder = write_draft_folder(ready, out / DRAFT_FOLDER, training_rope_scaling(spec), dtype, first_layer_fields(spec.config))
-    shutil.rmtree(out / ".eagle3_export", ignore_errors=True)
-    return folder
 
 
 def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, structure: DraftStructure, release: Release,

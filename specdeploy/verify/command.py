@@ -1,5 +1,6 @@
 """`specdeploy verify`: its options, and main(), which runs verify, prints the figures and the
-headlines, and exits 1 when exactness, served parity or --ar-lower-bound fails."""
+headlines, and exits 1 when exactness, served parity, --ar-lower-bound or an imported module's
+acceptance floor (modules.stage.served_gate) fails."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 
 from specdeploy.device import add_device_arg
 from specdeploy.manifest import add_build_args, build_from_args
+from specdeploy.modules.stage import served_gate
 from specdeploy.parity import NEAR_TIE, NEAR_TIE_CAP
 from specdeploy.verify.cpu_server import OUT, verify
 from specdeploy.verify.summary import _flat, headlines
@@ -69,6 +71,10 @@ def main(args: argparse.Namespace) -> int:
         failed = True
     if args.ar_lower_bound is not None and summary["acceptance_length"] < args.ar_lower_bound:
         print(f"FAIL: acceptance length {summary['acceptance_length']:.2f} < --ar-lower-bound {args.ar_lower_bound}")
+        failed = True
+    mis_loaded = served_gate(build.path("spec"), summary.get("acceptance_length_chat")) if build.path("spec").is_dir() else None
+    if mis_loaded:
+        print(f"FAIL: {mis_loaded}")
         failed = True
     if not summary["parity_ok"]:
         print("FAIL: served output differs from the Hugging Face reference (see divergences above)")

@@ -109,7 +109,7 @@ class Scheduler:
 
     def _admit(self, entry: Entry) -> None:
         from specdeploy.errors import SpecDeployError
-        from specdeploy.runtime.batch import BatchRequest
+        from specdeploy.runtime.batch_requests import BatchRequest
 
         try:
             on_tokens = entry.stream.on_tokens if entry.stream else None
