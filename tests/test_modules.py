@@ -406,6 +406,7 @@ def test_the_gate_passes_a_module_that_drafts_and_names_causes_when_the_layers_a
     # `make verify` looks again at the served chat acceptance: a deployment that mis-loaded the module fails
     assert stage.served_gate(build.path("spec"), gate["acceptance_length"]) is None
     assert stage.served_gate(build.path("spec"), None) is None  # no chat prompts served
+    assert stage.served_gate(tmp_path / "no_module", 1.0) is None  # a draft-model, n-gram or plain build
     assert re.search(r"acceptance length on chat prompts is 1\.05, under the imported module's floor 1\.2.*captured layers",
                      stage.served_gate(build.path("spec"), 1.05))
     ungated = imported(tmp_path / "ungated", base, "eagle", _cycle_module(tmp_path / "ungated_src", weights, base))

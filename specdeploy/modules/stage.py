@@ -129,11 +129,13 @@ def gate(base_dir: Path, spec_dir: Path, module: Module, floor: float, *, device
 def served_gate(spec_dir: Path, chat_acceptance: float | None) -> str | None:
     """`make verify`'s second look: an imported module that passed the gate at import must reach its
     floor again on the served chat prompts (a deployment that loaded it otherwise accepts ~1.0).
-    The failure with its likely causes, or None (passed, not an imported EAGLE-3 / DFlash module,
-    or no chat prompts served)."""
-    from specdeploy.checkpoints.modules import read_spec_config
+    The failure with its likely causes, or None (passed, no module, not an imported EAGLE-3 /
+    DFlash module, or no chat prompts served)."""
+    from specdeploy.checkpoints.modules import SPEC_CONFIG, read_spec_config
     from specdeploy.modules.spec import from_spec
 
+    if not (spec_dir / SPEC_CONFIG).is_file():  # a draft-model, n-gram or plain build: no module
+        return None
     recorded = (read_spec_config(spec_dir).get("imported") or {}).get("gate")
     if not recorded or chat_acceptance is None or chat_acceptance >= recorded["floor"]:
         return None

@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     if args.ar_lower_bound is not None and summary["acceptance_length"] < args.ar_lower_bound:
         print(f"FAIL: acceptance length {summary['acceptance_length']:.2f} < --ar-lower-bound {args.ar_lower_bound}")
         failed = True
-    mis_loaded = served_gate(build.path("spec"), summary.get("acceptance_length_chat")) if build.path("spec").is_dir() else None
+    mis_loaded = served_gate(build.path("spec"), summary.get("acceptance_length_chat"))
     if mis_loaded:
         print(f"FAIL: {mis_loaded}")
         failed = True
