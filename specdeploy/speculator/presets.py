@@ -30,7 +30,9 @@ GPU_MIN_PARAMS = 1_000_000_000
 # same base; 64 code completions came with the batch-16 speed-up at no extra data time. Swapping
 # 512 of the reads for 128 more answers of the base's own (equal data time, 300 steps) measured
 # held-out chain-3 acceptance 1.38 vs 1.41 chat and 1.35 vs 1.30 code: the reads stay.
-_CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768)
+# Generated in batches of 64 (a shard's worth): a decode step's cost grows slowly with the batch on a
+# CPU, so the 64 chat answers took 99 s instead of 132 s in batches of 16 (2026-11-26, bf16).
+_CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768, distill_batch=64)
 # quick EAGLE trains one TTT step (ModelOpt's eagle_ttt_steps): on a CPU the package stage's planner
 # has served a chain of ONE draft on every default build measured since 2026-11-25, and only the
 # first draft position serves it. A TTT step is ~0.24 s of a ~0.78-s step (4 x 256 tokens, bf16), so one
@@ -41,10 +43,10 @@ _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768)
 # TTT step (FP8 model, 1 x 1000 vs 3 x 750: 1.427 vs 1.460): `--ttt-steps 3` (engine:
 # `--spec-ttt-steps 3`) for deeper drafts, e.g. a small base on a GPU, where a longer chain costs
 # little more to verify.
-_CPU_QUICK_EAGLE = dict(steps=1000, ttt_steps=1)
+_CPU_QUICK_EAGLE = dict(steps=800, ttt_steps=1)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
 # measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
-_CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048)
+_CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048, distill_batch=64)
 # GPU tier (1B-8B). ~1.5M tokens (quick) / ~6M tokens (long), 3-4 epochs of 4 x 2048-token windows.
 _GPU_DATA = dict(max_new_tokens=512, tf_max_tokens=2048, window=2048, batch_size=4, distill_batch=32, draft_vocab=32000,
                  checkpoint_every=250)  # an 8B module's checkpoint (module + AdamW) is ~5 GB

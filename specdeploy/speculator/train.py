@@ -245,7 +245,8 @@ def fit(base_dir: str | Path, settings: TrainSettings, *, data: Data | None = No
         params = medusa_spec.trainable(model, settings.medusa_train_lm_head)
     else:
         params = (dflash_spec if settings.kind == "dflash" else eagle_spec).trainable(model)
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    # fused: one kernel updates every parameter (Adam was ~10% of a CPU EAGLE step as a loop of small ops)
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0, fused=True)
     ckpt = Path(ckpt_dir) if ckpt_dir else None
     fixed = _fixed(data, settings, extra, num_layers, device)
     steps, seconds, history = _loop(model, optimizer, params, data, settings, num_layers, ckpt, stop_at, fixed, parallel)
