@@ -21,6 +21,10 @@ NEAR_TIE = 1.0
 # runner-up's probability), parting from it is a fault to look at, however far FP8 rounding can move
 # a margin at its rarest positions (up to 2-4 logits on the default build)
 NEAR_TIE_CAP = 1.5
+# Beyond the cap, a divergence passes only when the deployment reproduces the served answer
+# in-process and report a. shows it speculation-exact (verify/replay.py), and only up to this
+# margin: bf16 with FP8 activations and K/V moves a margin by 2-4 logits at worst (margin_shift).
+ROUNDING_CEILING = 4.0
 
 
 @dataclass

@@ -59,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
     if summary.get("seconds"):
         print("time (s): " + ", ".join(f"{name.replace('_', ' ')} {value:.0f}" for name, value in summary["seconds"].items()))
     for d in summary["divergences"]:
-        print(f"  divergence at token {d['token']} (margin {d['margin']}): {d['prompt']!r}")
+        replayed = ", reproduced in-process: rounding" if d.get("reproduced_in_process") else ""
+        print(f"  divergence at token {d['token']} (margin {d['margin']}{replayed}): {d['prompt']!r}")
     out = build.path(GPU_OUT if args.server == "trtllm" else OUT)
     print(f"reports: {out}/verify.json, verify.md, acceptance_length.png" + (", speedup.png" if summary["speedup"] else ""))
     if summary["parity_rule"] != "exact" and args.server == "cpu":

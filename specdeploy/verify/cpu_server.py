@@ -20,7 +20,8 @@ from specdeploy.verify.cpu_repository import DEPLOYMENT, autoregressive_twin, ro
 from specdeploy.verify.reference import fidelity, load_prompts, load_reference, near_tie_limit
 from specdeploy.verify.reports import write_reports
 from specdeploy.verify.served import run_prompts
-from specdeploy.verify.summary import parity_rule, summarize
+from specdeploy.verify.replay import reproduces
+from specdeploy.verify.summary import beyond_limit, may_be_rounding, parity_rule, summarize
 from specdeploy.verify.trtllm_server import _verify_trtllm
 
 STAGE, OUT = "verify", "reports"
@@ -79,7 +80,6 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
             limit, tie = near_tie_limit(reference, answers, max_new_tokens, round_tokens(deployment), near_tie)
             if tie:
                 seconds["near_tie"] = time.perf_counter() - start
-        summary = summarize(rows, dtype, rule, limit, measured=tie)
         ids = [reference.ids(p.text_input)[0].tolist() for p in prompts]
         del reference  # one model in memory at a time
         from specdeploy.checkpoints import checkpoint_dtype
@@ -89,11 +89,21 @@ def verify(build: BuildDir, *, per_category: int = 4, max_new_tokens: int = 64, 
         base = build.path("base")
         original = load_reference(base, checkpoint_dtype(base), device, role="original model")
         served = f"{dtype} CPU runtime on {quant.get('quant_algo') or 'unquantized'} weights"
-        summary["fidelity"] = fidelity(original, prompts, rows, max_new_tokens, served, checkpoint_dtype(base))
+        fidelity_report = fidelity(original, prompts, rows, max_new_tokens, served, checkpoint_dtype(base))
         del original
         seconds["fidelity"], start = time.perf_counter() - start, time.perf_counter()
-        summary["exactness"] = speculative_exactness(cpu_repo / DEPLOYMENT, ids, max_new_tokens, device)
-        seconds["exactness"] = time.perf_counter() - start
+        exactness = speculative_exactness(cpu_repo / DEPLOYMENT, ids, max_new_tokens, device)
+        seconds["exactness"], start = time.perf_counter() - start, time.perf_counter()
+        candidates = [] if rule == "exact" else [i for i in beyond_limit(rows, rule, limit)
+                                                 if may_be_rounding(rows[i], exactness["rows"][i])]
+        reproduced = []
+        if candidates:
+            found = reproduces(cpu_repo / DEPLOYMENT, [ids[i] for i in candidates], [rows[i]["served"] for i in candidates],
+                               max_new_tokens, device)
+            reproduced = [i for i, ok in zip(candidates, found) if ok]
+            seconds["replay"] = time.perf_counter() - start
+        summary = summarize(rows, dtype, rule, limit, measured=tie, reproduced=reproduced)
+        summary["fidelity"], summary["exactness"] = fidelity_report, exactness
         summary["seconds"] = {name: round(value, 3) for name, value in seconds.items()}
         write_reports(tmp, summary, rows)
     return summary

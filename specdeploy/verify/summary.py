@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from specdeploy.parity import ParityResult, parity_holds
+from specdeploy.parity import ROUNDING_CEILING, ParityResult, parity_holds
 from specdeploy.runtime.types import acceptance_length
 
 ACCEPTANCE_DEFINITION = ("TensorRT-LLM's: (accepted draft tokens + 1 per target forward) / target forwards, prefill "
@@ -43,21 +43,39 @@ def _runs(rows: list[dict[str, Any]]) -> list[tuple[int, float, int | None, floa
     return [(r["tokens"], r["latency_s"], r["ar_tokens"], r["ar_latency_s"]) for r in rows if r["speedup"]]
 
 
-def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float | None,
-              measured: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The served report. `near_tie`: the limit where the rule is not exact; `measured`: its
-    report where it was measured on the served model."""
+def beyond_limit(rows: list[dict[str, Any]], rule: str, near_tie: float | None) -> list[int]:
+    """The rows whose divergence the parity rule alone does not pass."""
     exact = rule == "exact"
-    passed = [parity_holds(ParityResult(**{k: r[k] for k in ParityResult.__dataclass_fields__}), exact, near_tie) for r in rows]
+    return [i for i, r in enumerate(rows)
+            if not parity_holds(ParityResult(**{k: r[k] for k in ParityResult.__dataclass_fields__}), exact, near_tie)]
+
+
+def may_be_rounding(row: dict[str, Any], exactness_row: dict[str, Any] | None) -> bool:
+    """Whether a divergence beyond the near-tie limit can be the served dtype's rounding, to be
+    confirmed by replaying it (verify/replay.py): report a. found the deployment's speculative
+    decoding of the prompt identical to plain greedy in float64, and the reference preferred its
+    token by at most ROUNDING_CEILING."""
+    margin = row["margin_at_divergence"]
+    return exactness_row is not None and exactness_row["identical"] and margin is not None and margin <= ROUNDING_CEILING
+
+
+def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float | None,
+              measured: dict[str, Any] | None = None, reproduced: list[int] = ()) -> dict[str, Any]:
+    """The served report. `near_tie`: the limit where the rule is not exact; `measured`: its
+    report where it was measured on the served model; `reproduced`: the rows beyond the limit
+    whose answers the deployment reproduced in-process (may_be_rounding, then verify/replay.py)."""
+    failing = set(beyond_limit(rows, rule, near_tie)) - set(reproduced)
+    exact = rule == "exact"
     speedups = [r["speedup"] for r in rows if r["speedup"]]
     summary = {
         "prompts": len(rows),
         "dtype": dtype,
         "parity_rule": "exact" if exact else f"near-tie (margin <= {near_tie:.3g}{', measured' if measured else ''})",
         "exact_match_rate": sum(r["match"] for r in rows) / len(rows),
-        "parity_ok": all(passed),
-        "divergences": [{"prompt": r["shown"][:80], "token": r["first_divergence_token"], "margin": r["margin_at_divergence"]}
-                        for r in rows if not r["match"]],
+        "parity_ok": not failing,
+        "divergences": [{"prompt": r["shown"][:80], "token": r["first_divergence_token"], "margin": r["margin_at_divergence"],
+                         "reproduced_in_process": i in reproduced}
+                        for i, r in enumerate(rows) if not r["match"]],
         "acceptance_length": _acceptance(rows),
         "acceptance_length_definition": ACCEPTANCE_DEFINITION,
         # total tokens over total time per arm: one slow prompt weighs as much as its share of the work
@@ -114,4 +132,7 @@ def _margins(summary: dict[str, Any]) -> str:
     margins = [d["margin"] for d in summary["divergences"]]
     if not margins:
         return ""
-    return "; parted at margins " + ", ".join("none" if m is None else f"{m:.2f}" for m in margins)
+    replayed = sum(d.get("reproduced_in_process", False) for d in summary["divergences"])
+    return "; parted at margins " + ", ".join("none" if m is None else f"{m:.2f}" for m in margins) + (
+        f"; {replayed} beyond the limit reproduced by the deployment in-process and float64-exact (a.): rounding"
+        if replayed else "")
