@@ -96,7 +96,7 @@ def test_presets_by_device_and_model_size(tiny_llama_dir, monkeypatch):
     assert presets.tier_for(tiny_llama_dir, cuda) == "gpu"
     assert presets.tier_for(tiny_llama_dir, cpu) == "cpu"
     quick = presets.settings_for("eagle", "quick")
-    assert (quick.steps, quick.num_prompts, quick.teacher_forced, quick.window) == (1000, 64, 768, 256)
+    assert (quick.steps, quick.num_prompts, quick.teacher_forced, quick.window, quick.distill_batch) == (800, 64, 768, 256, 64)
     assert quick.ttt_steps == 1 and presets.settings_for("eagle", "long").ttt_steps == 3  # chain of 1 vs deeper drafts
     gpu = presets.settings_for("eagle", "long", tier="gpu")
     assert (gpu.window, gpu.lr, gpu.draft_vocab) == (2048, 3e-4, 32000)  # ModelOpt's EAGLE-3 recipe
