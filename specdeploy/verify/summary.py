@@ -5,6 +5,7 @@ that the command prints and verify.md opens with."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Collection
 from typing import Any
 
 from specdeploy.parity import ROUNDING_CEILING, ParityResult, parity_holds
@@ -60,7 +61,7 @@ def may_be_rounding(row: dict[str, Any], exactness_row: dict[str, Any] | None) -
 
 
 def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float | None,
-              measured: dict[str, Any] | None = None, reproduced: list[int] = ()) -> dict[str, Any]:
+              measured: dict[str, Any] | None = None, reproduced: Collection[int] = ()) -> dict[str, Any]:
     """The served report. `near_tie`: the limit where the rule is not exact; `measured`: its
     report where it was measured on the served model; `reproduced`: the rows beyond the limit
     whose answers the deployment reproduced in-process (may_be_rounding, then verify/replay.py)."""
