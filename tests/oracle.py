@@ -31,7 +31,7 @@ def oracle_venv(name: str, pins: tuple[str, ...], uninstall: tuple[str, ...] = (
         if not stamp.is_file():
             shutil.rmtree(venv, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            _pip(python, venv, ["install", *pins], pins)
+            _pip(python, venv, ["install", "--no-compile", *pins], pins)  # compiled on first use (Makefile)
             if uninstall:
                 _pip(python, venv, ["uninstall", "-y", *uninstall], pins)
             stamp.write_text("\n".join(recipe) + "\n")

