@@ -95,7 +95,7 @@ def native_bf16(device: "torch.device") -> bool:
     forced = os.environ.get("SPECDEPLOY_CPU_BF16")
     if forced in ("0", "1"):
         return forced == "1"
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _cpuinfo() -> str:
@@ -111,7 +111,7 @@ def _cpu_field(text: str, *names: str) -> str:
     return found.group(1).strip() if found else ""
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """The CPU's feature flags (x86 "flags", Arm "Features"); empty where there is no cpuinfo."""
     return set(_cpu_field(_cpuinfo(), "flags", "Features").split())
 

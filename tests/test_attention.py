@@ -62,7 +62,9 @@ def _attention(dtype: torch.dtype, masked_value: float = 0.0):
     return [t.to(dtype) for t in (query, key, value, mask)]
 
 
-def test_a_single_reduced_precision_query_runs_as_two_rows_as_accurately(monkeypatch):
+def test_a_single_reduced_precision_query_runs_as_two_rows_where_chosen_as_accurately(monkeypatch):
+    import specdeploy.attention as attention
+
     queries = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -71,11 +73,25 @@ def test_a_single_reduced_precision_query_runs_as_two_rows_as_accurately(monkeyp
     module.num_key_value_groups = 2
     reference = _attention(torch.float64, masked_value=1e4)
     expected = sdpa(*reference[:3], attn_mask=reference[3], enable_gqa=True).transpose(1, 2)
-    for dtype, rows in ((torch.bfloat16, 2), (torch.float32, 1)):
-        queries.clear()
-        query, key, value, mask = _attention(dtype, masked_value=1e4)
-        out, _ = attention_sdpa(module, query, key, value, mask)
-        assert queries == [rows], dtype
-        assert out.shape == (3, 1, 6, 16) and out.dtype == dtype
-        # masked columns hold 1e4: any leak would be far outside bf16's rounding
-        assert torch.allclose(out.double(), expected, atol=2e-2), dtype
+    for two_rows in (True, False):
+        monkeypatch.setattr(attention, "single_query_as_two_rows", lambda: two_rows)
+        for dtype, rows in ((torch.bfloat16, 2 if two_rows else 1), (torch.float32, 1)):
+            queries.clear()
+            query, key, value, mask = _attention(dtype, masked_value=1e4)
+            out, _ = attention_sdpa(module, query, key, value, mask)
+            assert queries == [rows], (dtype, two_rows)
+            assert out.shape == (3, 1, 6, 16) and out.dtype == dtype
+            # masked columns hold 1e4: any leak would be far outside bf16's rounding
+            assert torch.allclose(out.double(), expected, atol=2e-2), (dtype, two_rows)
+
+
+def test_two_rows_are_chosen_on_cpus_without_amx(monkeypatch):
+    import specdeploy.attention as attention
+    import specdeploy.device as device
+
+    for flags, two_rows in (({"avx512f", "avx512_bf16"}, True), ({"avx512_bf16", "amx_bf16", "amx_tile"}, False),
+                            (set(), True)):
+        monkeypatch.setattr(device, "cpu_flags", lambda flags=flags: flags)
+        attention.single_query_as_two_rows.cache_clear()
+        assert attention.single_query_as_two_rows() is two_rows, flags
+    attention.single_query_as_two_rows.cache_clear()
