@@ -31,7 +31,9 @@ GPU_MIN_PARAMS = 1_000_000_000
 # 512 of the reads for 128 more answers of the base's own (equal data time, 300 steps) measured
 # held-out chain-3 acceptance 1.38 vs 1.41 chat and 1.35 vs 1.30 code: the reads stay.
 # Generated in batches of 64 (a shard's worth): a decode step's cost grows slowly with the batch on a
-# CPU, so the 64 chat answers took 99 s instead of 132 s in batches of 16 (2026-11-26, bf16).
+# CPU, so the 64 chat answers took 99 s instead of 132 s in batches of 16 (2026-11-26, bf16). On a Xeon
+# with AMX, since a single bf16 query's attention runs as one row there (specdeploy.attention): 64 chat
+# answers 38.6 s, 64 code completions 41.1 s, 768 conversations read 96.2 s (2026-11-27).
 _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768, distill_batch=64)
 # quick EAGLE trains one TTT step (ModelOpt's eagle_ttt_steps): on a CPU the package stage's planner
 # has served a chain of ONE draft on every default build measured since 2026-11-25, and only the
