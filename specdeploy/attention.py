@@ -8,7 +8,7 @@
 2. For a single query in bfloat16/float16 (every plain decode step) torch 2.13's CPU kernel
    takes a path 1.5-2x slower per call than two queries do on an AMD EPYC with AVX512-BF16 (444 vs
    248 us at batch 8 x 100 columns); on an Intel Xeon with AMX the same one-row path is the fast
-   one (50 vs 321 us there; 1.0 vs 5.6 ms at batch 64 x 300 columns). Where the CPU has no AMX, the
+   one (63 vs 262 us there; 1.2 vs 6.1 ms at batch 64 x 300 columns). Where the CPU has no AMX, the
    query runs as two identical rows and one is kept: as accurate against float64 (over a served
    generation, about as many calls closer as farther, the mean error equal to 1e-8), but not always
    the same bits: the two paths round a few elements apart.

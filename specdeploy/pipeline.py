@@ -208,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="SPEC=draft: the draft model (folder, .gguf or bundled name)")
     parser.add_argument("--kv-cache", choices=["fp8", "none"], help="KV-cache quantization (default: follows --quant)")
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
-                        help="module training budget: quick (~12 min on 2 cores, default) or long (~70 min); "
+                        help="module training budget: quick (~7-12 min on 2 cores with native bf16, default) or long (~70 min); "
                              "see the README's preset table")
     parser.add_argument("--dtype", choices=DEPLOY_DTYPES, default="bfloat16",
                         help="the deployment's weight dtype (what TensorRT-LLM loads and the CPU repository serves): the "
