@@ -16,10 +16,10 @@ from specdeploy import resolve
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.loadtest.command import parse_levels
-from specdeploy.loadtest.display import speedup_cell
+from specdeploy.loadtest.display import control_cell, noise_summary, speedup_cell
 from specdeploy.loadtest.figures import chunk_tokens, count_tokens, inter_token_gaps
 from specdeploy.loadtest.near_ties import disputed_outputs, judge_near_ties, verdict
-from specdeploy.loadtest.report import AR, SPEC, build_report
+from specdeploy.loadtest.report import AR, CONTROL, SPEC, build_report
 from specdeploy.loadtest.sending import Sweep, Timed, arrival_times
 from specdeploy.parity import NEAR_TIE, hf_reference
 from specdeploy.stats import percentiles
@@ -96,6 +96,30 @@ def test_a_level_stops_paying_only_where_speculation_lost_in_every_pass(tiny_tok
     report = build_report(one_pass, tokenizer, [1, 2, 4], "exact")
     assert report["break_even_concurrency"] == 2 and report["spec_off_above"] == 1
     assert speedup_cell(report["levels"][1]) == "0.87x"
+
+
+def test_the_control_sweep_gives_each_level_a_noise_floor(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = "def add(a, b):\n    return a + b\n"
+
+    def level(walls: list[float]) -> tuple[list[Timed], list[float]]:  # 2 requests per pass
+        return [Timed(0, 0.0, latency_s=0.5, chunk_s=[0.1], chunks=[text]) for _ in range(2 * len(walls))], walls
+
+    results = {SPEC: {1: level([1.0, 1.0]), 2: level([1.0, 1.2])}, AR: {1: level([1.1, 1.1]), 2: level([1.0, 1.0])}}
+    # A/A: the copy ran 0.95x and 1.25x as fast as the twin at 2 (walls 1.0/0.95 and 1.0/1.25)
+    control = {CONTROL: {1: level([1.0, 1.0]), 2: level([1.0 / 0.95, 1.0 / 1.25])}, AR: {1: level([1.0, 1.0]), 2: level([1.0, 1.0])}}
+    report = build_report(results, tokenizer, [1, 2], "exact", control=control)
+    one, two = report["control"]
+    assert two["pass_ratios"] == pytest.approx([0.95, 1.25]) and one["pass_ratios"] == pytest.approx([1.0, 1.0])
+    # the copies are interchangeable: 1.25 either way round is 0.8, the floor
+    assert two["noise_floor"] == pytest.approx(0.8) and one["noise_floor"] == pytest.approx(1.0)
+    # speculative passes at 2: 1.0 and 1/1.2 = 0.83, both above 0.8; at 1: 1.1, above 1.0
+    assert report["levels"][1]["slower_than_noise"] == 0 and report["levels"][0]["slower_than_noise"] == 0
+    assert control_cell(two) == "0.95-1.25" and "2: floor 0.80, 0/2 speculative passes below it" in noise_summary(report)
+    control[CONTROL][2] = level([1.0 / 0.99, 1.0 / 1.01])  # a quieter host: 0.83 is now a loss beyond the noise
+    report = build_report(results, tokenizer, [1, 2], "exact", control=control)
+    assert report["control"][1]["noise_floor"] == pytest.approx(0.99) and report["levels"][1]["slower_than_noise"] == 1
+    assert report["ok"] and report["errors"] == 0  # the copies' outputs were held to the rule too, and matched
 
 
 def test_the_steady_ttft_leaves_out_each_pass_cold_start(tiny_tokenizer_dir):
@@ -188,7 +212,7 @@ def build(tmp_path_factory, tiny_tokenizer_dir) -> BuildDir:
 def report(build) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "specdeploy", "loadtest", "--build-dir", str(build.root), "--concurrency", "1,2",
-         "--requests-per-level", "2", "--passes", "2", "--max-tokens", str(MAX_TOKENS), "--prompts", "1"],
+         "--requests-per-level", "2", "--passes", "2", "--max-tokens", str(MAX_TOKENS), "--prompts", "1", "--control"],
         capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -226,8 +250,23 @@ def test_sweep_reports_both_arms_at_every_level(report, build):
 def test_passes_alternate_the_arms(report):
     # ABBA within a level, and the next level starts with the arm the last one ended with
     order = re.findall(r"concurrency (\d+), pass (\d)/2: (\w+) done", report["stdout"])
-    assert order == [("1", "1", SPEC), ("1", "1", AR), ("1", "2", AR), ("1", "2", SPEC),
-                     ("2", "1", AR), ("2", "1", SPEC), ("2", "2", SPEC), ("2", "2", AR)]
+    abba = lambda arm: [("1", "1", arm), ("1", "1", AR), ("1", "2", AR), ("1", "2", arm),  # noqa: E731
+                        ("2", "1", AR), ("2", "1", arm), ("2", "2", arm), ("2", "2", AR)]
+    # then the A/A control: the same passes with the twin's copy in the speculative arm's place
+    assert order == abba(SPEC) + abba(CONTROL)
+
+
+@pytest.mark.server
+def test_the_control_is_a_second_autoregressive_deployment(report):
+    assert report["settings"]["control"] and [c["concurrency"] for c in report["control"]] == [1, 2]
+    for entry, pair in zip(report["levels"], report["control"]):
+        for arm in (CONTROL, AR):
+            # plain decoding, outputs equal to the main sweep's solo runs (float64: exact)
+            assert pair[arm]["acceptance_length"] == 1.0 and pair[arm]["identical"] == pair[arm]["compared"] == 4
+        ratios = [c / a for c, a in zip(pair[CONTROL]["pass_tokens_per_s"], pair[AR]["pass_tokens_per_s"])]
+        assert pair["pass_ratios"] == pytest.approx(ratios) and pair["noise_floor"] == pytest.approx(min(min(r, 1 / r) for r in ratios))
+        assert entry["slower_than_noise"] == sum(s < pair["noise_floor"] for s in entry["pass_speedups"])
+    assert "A/A control" in report["stdout"] and "A/A" in report["stdout"].split("break-even")[0]
 
 
 @pytest.mark.server
@@ -270,6 +309,8 @@ def test_bad_arguments_are_clear_errors(build, capsys):
     assert "--passes" in capsys.readouterr().err
     assert cli_main(["loadtest", "--build-dir", str(build.root), "--length-spread", "1"]) == 2
     assert "--length-spread 1.0 is not in [0, 1)" in capsys.readouterr().err
+    assert cli_main(["loadtest", "--build-dir", str(build.root), "--url", "127.0.0.1:1", "--control"]) == 2
+    assert "--control starts the build's servers" in capsys.readouterr().err
 
 
 @pytest.mark.server

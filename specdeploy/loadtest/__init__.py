@@ -15,6 +15,10 @@ the speed-up curve (speculative tokens/s over autoregressive tokens/s) and the b
 concurrency, the first level where speculation stops paying. Writes loadtest/loadtest.json and
 loadtest.png in the build.
 
+--control sweeps again with a second copy of the twin in the speculative arm's place (A/A, the
+same passes and order): how far apart two identical deployments land in a pass on this host. A
+speculative pass above that floor is within the host's noise (on a shared 2-core VM, 10-24%).
+
 Correctness: every output is compared with the same prompt's solo output (concurrency 1) of the
 autoregressive arm (of the only arm, with --url alone). Where the deployment's dtype makes greedy
 parity exact (verify.summary.parity_rule: float64, or float32 without quantized activations/KV) any

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from specdeploy.device import add_device_arg
 from specdeploy.errors import SpecDeployError
-from specdeploy.loadtest.display import suggestion, table
+from specdeploy.loadtest.display import noise_summary, suggestion, table
 from specdeploy.loadtest.figures import DEFINITIONS
 from specdeploy.loadtest.near_ties import verdict
 from specdeploy.loadtest.orchestration import OUT, loadtest
@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Poisson arrivals at this many requests/s (open loop); default: all at once (closed loop)")
     parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per category (ShareGPT chat, HumanEval code)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument("--control", action="store_true",
+                        help="then sweep the autoregressive twin against a second copy of itself (A/A, the same passes; "
+                             "doubles the time): each level's pass ratios of two identical deployments, the host's noise "
+                             "floor, against which a speculative pass below 1 is read")
     parser.add_argument("--near-tie", type=float,
                         help="outside exact dtypes: an output that differs from its solo run passes when it leaves the "
                              "reference's greedy path where the top-2 logit margin is <= this (as `verify --near-tie`; "
@@ -60,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.control and args.url:
+        raise SpecDeployError("--control starts the build's servers (the twin twice); it cannot measure a server at --url",
+                              hint="drop --url, or drop --control")
     if args.url_ar and not args.url:
         raise SpecDeployError("--url-ar needs --url (the speculative server)", hint="pass both, or neither to start the build's")
     if min(args.requests_per_level or 1, args.passes, args.max_tokens, args.prompts) < 1:
@@ -90,6 +97,8 @@ def main(args: argparse.Namespace) -> int:
               f"(speed-up {' '.join(f'{s:.2f}' for s in curve)} at concurrency {' '.join(map(str, levels))}; "
               "a level stops paying where speculation lost in every pass)")
         print(suggestion(report["spec_off_above"]))
+    if report["control"]:
+        print(noise_summary(report))
     print(f"ITL: {DEFINITIONS['itl_s']}")
     print(f"report: {build.path(OUT)}/loadtest.json, loadtest.png")
     if report["mismatches"]:

@@ -12,8 +12,8 @@ from specdeploy.loadtest.report import SPEC
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Tokens/s of both arms and the speed-up (second axis) vs concurrency; TTFT p99 (all requests, and
-    past the cold start) vs concurrency."""
+    """Tokens/s of both arms and the speed-up (second axis; with the control, the A/A passes' range
+    as a band) vs concurrency; TTFT p99 (all requests, and past the cold start) vs concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,6 +32,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         speed = tput.twinx()
         speed.plot(levels, [e["speedup"] for e in report["levels"]], "s--", color="k", label="speed-up")
         speed.axhline(1.0, color="gray", lw=0.8)
+        if report.get("control"):  # the A/A passes' range: where two identical deployments landed
+            ratios = [pair["pass_ratios"] or [1.0] for pair in report["control"]]
+            speed.fill_between(levels, [min(r) for r in ratios], [max(r) for r in ratios], color="gray", alpha=0.2,
+                               label="A/A passes")
         speed.set(ylabel="speed-up (speculative / autoregressive)", ylim=(0, None))
         speed.legend(loc="upper right")
     for ax in (tput, ttft):
@@ -47,17 +51,19 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def table(report: dict[str, Any], title: str) -> Table:
     out = Table(title=title)
     for column in ("conc", "arm", "tok/s", "req/s", "TTFT p50/p99 ms", "steady TTFT", "TPOT p50/p99 ms",
-                   "ITL p50/p99 ms", "accept len", "identical", "errors", "speed-up"):
+                   "ITL p50/p99 ms", "accept len", "identical", "errors", "speed-up") + (("A/A",) if report.get("control") else ()):
         out.add_column(column, justify="left" if column == "arm" else "right")
     ms = lambda p: "/".join("-" if p[k] is None else f"{p[k] * 1000:.0f}" for k in ("p50", "p99"))  # noqa: E731
-    for entry in report["levels"]:
+    controls = report.get("control") or [None] * len(report["levels"])
+    for entry, pair in zip(report["levels"], controls):
         for arm in report["arms"]:
             f = entry[arm]
             speedup = speedup_cell(entry) if arm == SPEC else ""
+            aa = (control_cell(pair) if arm == SPEC else "",) if pair else ()
             out.add_row(str(entry["concurrency"]), arm, f"{f['output_tokens_per_s']:.1f}", f"{f['requests_per_s']:.2f}",
                         ms(f["ttft_s"]), ms(f["ttft_steady_s"]), ms(f["tpot_s"]), ms(f["itl_s"]),
                         f"{f['acceptance_length']:.2f}",
-                        f"{f['identical']}/{f['compared']}", str(f["errors"]), speedup)
+                        f"{f['identical']}/{f['compared']}", str(f["errors"]), speedup, *aa)
     return out
 
 
@@ -67,6 +73,26 @@ def speedup_cell(entry: dict[str, Any]) -> str:
         return ""
     passes = entry["pass_speedups"]
     return f"{entry['speedup']:.2f}x" + (f" ({min(passes):.2f}-{max(passes):.2f})" if len(passes) > 1 else "")
+
+
+def control_cell(pair: dict[str, Any]) -> str:
+    """The A/A pass ratios' range: '0.94-1.07'."""
+    ratios = pair["pass_ratios"]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+
+
+def noise_summary(report: dict[str, Any]) -> str:
+    """What the A/A control says about the speculative passes, level by level."""
+    parts = []
+    for entry, pair in zip(report["levels"], report["control"]):
+        if pair["noise_floor"] is None or entry["pass_speedups"] is None:
+            parts.append(f"{entry['concurrency']}: no floor (a pass made no tokens)")
+            continue
+        parts.append(f"{entry['concurrency']}: floor {pair['noise_floor']:.2f}, "
+                     f"{entry['slower_than_noise']}/{len(entry['pass_speedups'])} speculative passes below it")
+    return ("A/A control (the autoregressive twin against a copy of itself, the same passes): "
+            + "; ".join(parts) + ". A pass speed-up above its level's floor is within what two identical deployments "
+            "differed by on this host.")
 
 
 def suggestion(off_above: int | None) -> str:

@@ -1,6 +1,7 @@
 """loadtest(): the benchmark on a build. It loads the prompts, starts the speculative server and
-its autoregressive twin (unless --url), sweeps, stops the servers before the near-tie judge loads
-the reference, and writes loadtest/loadtest.json and loadtest.png."""
+its autoregressive twin (unless --url; with --control a second copy of the twin too), sweeps (then
+the A/A control sweep), stops the servers before the near-tie judge loads the reference, and writes
+loadtest/loadtest.json and loadtest.png."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json
 from specdeploy.loadtest.display import plot
 from specdeploy.loadtest.near_ties import judge_near_ties
-from specdeploy.loadtest.report import AR, SPEC, build_report
+from specdeploy.loadtest.report import AR, CONTROL, SPEC, build_report
 from specdeploy.loadtest.sending import Sweep, sweep
 from specdeploy.manifest import BuildDir
 from specdeploy.verify.cpu_repository import DEPLOYMENT, autoregressive_twin, round_tokens
@@ -42,7 +43,7 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     settings = {"concurrency": levels, "requests_per_level": [plan.requests_at(level) for level in levels],
                 "passes": plan.passes, "max_tokens": plan.max_tokens, "length_spread": plan.spread,
                 "max_tokens_per_prompt": plan.lengths, "request_rate": plan.rate, "prompts": len(prompts),
-                "seed": plan.seed, "url": args.url, "url_ar": args.url_ar, "near_tie": args.near_tie}
+                "seed": plan.seed, "url": args.url, "url_ar": args.url_ar, "near_tie": args.near_tie, "control": args.control}
     rule = parity_rule(deployment["dtype"], read_quant_config(model_dir))
 
     def judge(disputed: list[tuple[int, str]]) -> dict[str, Any]:
@@ -55,10 +56,14 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
         if args.url:
             urls = {SPEC: args.url, **({AR: args.url_ar} if args.url_ar else {})}
         else:
-            urls = _start_servers(stack, {SPEC: cpu_repo, AR: autoregressive_twin(cpu_repo, twin_dir)}, tmp)
-        results = sweep(urls, plan)
+            twin = autoregressive_twin(cpu_repo, twin_dir)
+            urls = _start_servers(stack, {SPEC: cpu_repo, AR: twin, **({CONTROL: twin} if args.control else {})}, tmp)
+        results = sweep({SPEC: urls[SPEC], **({AR: urls[AR]} if AR in urls else {})}, plan)
+        # the same sweep with a copy of the twin in the speculative arm's place: two identical deployments
+        control = sweep({CONTROL: urls[CONTROL], AR: urls[AR]}, plan, solo=False) if CONTROL in urls else None
         stack.close()  # the servers stop before the judge loads the reference
-        report = {"settings": settings, "dtype": deployment["dtype"], **build_report(results, tokenizer, levels, rule, judge)}
+        report = {"settings": settings, "dtype": deployment["dtype"],
+                  **build_report(results, tokenizer, levels, rule, judge, control)}
         atomic_write_json(tmp / "loadtest.json", report)
         plot(report, tmp / "loadtest.png")
     return report

@@ -1,6 +1,8 @@
 """The load test's report from a sweep's results: per-level figures of both arms, the speed-up
 curve, break-even concurrency and the suggested spec_off_above, and pass/fail (errors, outputs that
-differ from their solo run under the deployment's parity rule)."""
+differ from their solo run under the deployment's parity rule). With a control sweep (the
+autoregressive twin against a second copy of itself, A/A), each level also gets the pass ratios of
+two identical deployments: the noise floor a pass speed-up is read against."""
 
 from __future__ import annotations
 
@@ -11,17 +13,18 @@ from specdeploy.loadtest.near_ties import disputed_outputs
 from specdeploy.loadtest.sending import Results
 from specdeploy.runtime.load_plan import break_even, suggested_spec_off_above
 
-SPEC, AR = "speculative", "autoregressive"
+SPEC, AR, CONTROL = "speculative", "autoregressive", "control"
 
 
 Judge = Callable[[list[tuple[int, str]]], dict[str, Any]]
 
 
-def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str, judge: Judge | None = None) -> dict[str, Any]:
+def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str, judge: Judge | None = None,
+                 control: Results | None = None) -> dict[str, Any]:
     """Rows, per-level figures, the speed-up curve, break-even, pass/fail. Outside the exact rule,
-    `judge` rules on the outputs that differ from their solo run (judge_near_ties)."""
-    rows = {arm: {level: [measure(t, tokenizer) for t in timed] for level, (timed, _) in by_level.items()}
-            for arm, by_level in results.items()}
+    `judge` rules on the outputs that differ from their solo run (judge_near_ties). `control`: the
+    A/A sweep (CONTROL and AR), whose outputs are held to the same rule."""
+    rows = _rows(results, tokenizer)
     reference = list(results)[-1]  # the autoregressive arm, when there is one
     solo = rows[reference][min(rows[reference])]  # concurrency 1, or the solo pass (key 0)
     expected = {r["prompt"]: r["text"] for r in solo if r["error"] is None}
@@ -35,8 +38,12 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
         entry["pass_speedups"] = ([spec / ar for spec, ar in zip(entry[SPEC]["pass_tokens_per_s"], entry[AR]["pass_tokens_per_s"])]
                                   if both else None)
         report_levels.append(entry)
+    controls = _control_levels(control, tokenizer, levels, expected) if control else []
+    for entry, pair in zip(report_levels, controls):
+        if pair["noise_floor"] is not None and entry["pass_speedups"] is not None:
+            entry["slower_than_noise"] = sum(s < pair["noise_floor"] for s in entry["pass_speedups"])
     best_pass = [None if e["pass_speedups"] is None else max(e["pass_speedups"]) for e in report_levels]
-    figures = [entry[arm] for entry in report_levels for arm in results]
+    figures = [entry[arm] for entry in report_levels for arm in results] + [pair[arm] for pair in controls for arm in (CONTROL, AR)]
     solo_errors = sum(r["error"] is not None for r in rows[reference].get(0, []))  # the solo pass, when there was one
     errors = sum(f["errors"] for f in figures) + solo_errors
     mismatches = sum(f["compared"] - f["identical"] for f in figures)
@@ -47,6 +54,26 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
         # a level stops paying only where speculation lost in every pass
         "break_even_concurrency": break_even(levels, best_pass),
         "spec_off_above": suggested_spec_off_above(levels, best_pass),
-        "errors": errors, "mismatches": mismatches, "near_tie": near_tie,
+        "errors": errors, "mismatches": mismatches, "near_tie": near_tie, "control": controls or None,
         "ok": errors == 0 and (mismatches == 0 or rule != "exact") and (near_tie is None or near_tie["ok"]),
     }
+
+
+def _rows(results: Results, tokenizer: Any) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    return {arm: {level: [measure(t, tokenizer) for t in timed] for level, (timed, _) in by_level.items()}
+            for arm, by_level in results.items()}
+
+
+def _control_levels(control: Results, tokenizer: Any, levels: list[int], expected: dict[int, str]) -> list[dict[str, Any]]:
+    """Per level: both copies' figures, the pass ratios (CONTROL over AR tokens/s, each pass's pair
+    run back to back as in the main sweep) and the noise floor: the lowest ratio either way round,
+    since the two copies are interchangeable. A speculative pass below it lost by more than two
+    identical deployments ever differed."""
+    rows = _rows(control, tokenizer)
+    entries = []
+    for level in levels:
+        pair = {arm: summarize_level(rows[arm][level], control[arm][level][1], expected) for arm in (CONTROL, AR)}
+        ratios = [c / a for c, a in zip(pair[CONTROL]["pass_tokens_per_s"], pair[AR]["pass_tokens_per_s"]) if c > 0 and a > 0]
+        floor = min(min(r, 1 / r) for r in ratios) if ratios else None  # None: a pass of either copy made no tokens
+        entries.append({"concurrency": level, **pair, "pass_ratios": ratios, "noise_floor": floor})
+    return entries

@@ -119,11 +119,11 @@ class Sweep:
         return [i % len(self.prompts) for i in range(self.requests_at(level))]
 
 
-def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print) -> Results:
+def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print, solo: bool = True) -> Results:
     """Every level for every arm in `plan.passes` passes, the arms' order alternating from pass to
     pass and level to level; a level's passes pool (requests joined in pass order, a wall time per
-    pass). The first reference-arm level is preceded by a solo pass when the sweep has no
-    concurrency 1 (key 0)."""
+    pass). With `solo`, the first reference-arm level is preceded by a solo pass when the sweep has
+    no concurrency 1 (key 0)."""
     clients = {arm: [TritonLLMClient(url) for _ in range(plan.levels[-1])] for arm, url in urls.items()}
     results: Results = {arm: {} for arm in urls}
     try:
@@ -131,9 +131,9 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print)
             pool[0].wait_ready()
             pool[0].generate(Request(plan.prompts[0], max_tokens=4), stream=True)
         reference = list(urls)[-1]
-        if plan.levels[0] != 1:
-            solo = list(range(len(plan.prompts)))
-            timed, wall = run_level(clients[reference][:1], plan.prompts, solo, plan.lengths, [0.0] * len(solo))
+        if solo and plan.levels[0] != 1:
+            alone = list(range(len(plan.prompts)))
+            timed, wall = run_level(clients[reference][:1], plan.prompts, alone, plan.lengths, [0.0] * len(alone))
             results[reference][0] = (timed, [wall])
         for n, level in enumerate(plan.levels):
             for p in range(plan.passes):
