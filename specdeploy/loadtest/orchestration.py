@@ -58,7 +58,7 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
         else:
             twin = autoregressive_twin(cpu_repo, twin_dir)
             urls = _start_servers(stack, {SPEC: cpu_repo, AR: twin, **({CONTROL: twin} if args.control else {})}, tmp)
-        results = sweep({SPEC: urls[SPEC], **({AR: urls[AR]} if AR in urls else {})}, plan)
+        results = sweep({arm: url for arm, url in urls.items() if arm != CONTROL}, plan)
         # the same sweep with a copy of the twin in the speculative arm's place: two identical deployments
         control = sweep({CONTROL: urls[CONTROL], AR: urls[AR]}, plan, solo=False) if CONTROL in urls else None
         stack.close()  # the servers stop before the judge loads the reference
