@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,14 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
     parallel = setup(resolve_device(device))
     where = announce("spec", parallel.device)
     base_dir = build.path("base")
-    settings = settings_for(spec, preset, tier=tier_for(base_dir, parallel.device), **overrides)
+    tier = tier_for(base_dir, parallel.device)
+    settings = settings_for(spec, preset, tier=tier, **overrides)
     if _complete(build, spec, preset, overrides):
         return build.path(OUT)
+    if parallel.is_main:
+        print(f"specdeploy spec: {preset} preset of the {tier} tier: {settings.steps} steps on {settings.num_prompts} "
+              f"generated answers, {settings.code_prompts} code completions and {settings.teacher_forced} read answers",
+              file=sys.stderr)
     train_args = dict(ckpt_dir=build.root / CKPT, parallel=parallel, trust_remote_code=trust_remote_code)
     if parallel.is_main:
         with build.stage(STAGE, OUT, asdict(settings), consumes=("resolve",), device=where) as tmp:

@@ -1,8 +1,10 @@
 """Training presets of the spec stage (`--preset quick|long`), sized to the base and the hardware.
 
-Two tiers, chosen by the device and the base's parameter count (read from its safetensors
-headers): `cpu` (sized for SmolLM2-135M on 2 CPU cores; also what a base under 1B gets on a GPU,
-which then trains the same module, only faster) and `gpu` (a 1B-8B base on CUDA, after ModelOpt's
+Three tiers, chosen by the device and the base's parameter count (read from its safetensors
+headers): `cpu` (sized for SmolLM2-135M on 2 CPU cores with native bf16; also what a base under 1B
+gets on a GPU, which then trains the same module, only faster), `cpu-float32` (a CPU without native
+bf16, whose float32 path is 2-3x slower: the quick preset reads fewer answers and trains fewer steps;
+the settings a build used are in its manifest) and `gpu` (a 1B-8B base on CUDA, after ModelOpt's
 EAGLE-3 recipe in examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with batches of
 several sequences as in its offline pipeline, a 32k draft vocabulary, a few epochs over the data).
 Budgets count steps, never seconds: the same settings make the same module on any machine.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from specdeploy.device import native_bf16
 from specdeploy.errors import SpecDeployError
 from specdeploy.preflight import parameter_count
 from specdeploy.speculator.train import KINDS, TrainSettings
@@ -48,18 +51,33 @@ _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768, dist
 # 800 steps since 2026-11-26 (1,000 before): on the batch-64 data, `make verify` on a fresh clone measured
 # served acceptance 1.32 (chat 1.44), where 1,000 steps had made 1.30 (chat 1.40); ~60 s less training.
 _CPU_QUICK_EAGLE = dict(steps=800, ttt_steps=1)
+# quick on a CPU without native bf16 (the float32 path, 2-3x slower): 256 reads and 400 steps. The float32
+# path forced on the Xeon (SPECDEPLOY_CPU_BF16=0, 2026-11-27, the same float32 data; `spec validate --tree
+# chain --draft-len 1 --prompts 24 --max-new-tokens 96`, float32 base, acceptance length over both
+# categories): 768 reads x 800 steps (data 8.3 min, 471 s training) 1.362; 256 x 400 (224 s) 1.317;
+# 256 x 600 (299 s) 1.328; 768 x 400 (216 s) 1.321. Reads past 256 bought nothing at 400 steps; they
+# cost ~3.5 min of the float32 distillation here, 400 fewer steps ~4 min.
+_CPU_FLOAT32_QUICK_DATA = dict(_CPU_QUICK_DATA, teacher_forced=256)
+_CPU_FLOAT32_QUICK_EAGLE = dict(_CPU_QUICK_EAGLE, steps=400)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
 # measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
 _CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048, distill_batch=64)
+_CPU_QUICK = {"eagle": dict(**_CPU_QUICK_EAGLE, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA),
+              "dflash": dict(steps=750, **_CPU_QUICK_DATA)}
+_CPU_LONG = {"eagle": dict(steps=6000, **_CPU_LONG_DATA), "medusa": dict(steps=4000, **_CPU_LONG_DATA),
+             "dflash": dict(steps=6000, **_CPU_LONG_DATA)}
 # GPU tier (1B-8B). ~1.5M tokens (quick) / ~6M tokens (long), 3-4 epochs of 4 x 2048-token windows.
 _GPU_DATA = dict(max_new_tokens=512, tf_max_tokens=2048, window=2048, batch_size=4, distill_batch=32, draft_vocab=32000,
                  checkpoint_every=250)  # an 8B module's checkpoint (module + AdamW) is ~5 GB
 TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
     "cpu": {
-        "quick": {"eagle": dict(**_CPU_QUICK_EAGLE, **_CPU_QUICK_DATA), "medusa": dict(steps=800, **_CPU_QUICK_DATA),
-                  "dflash": dict(steps=750, **_CPU_QUICK_DATA)},
-        "long": {"eagle": dict(steps=6000, **_CPU_LONG_DATA), "medusa": dict(steps=4000, **_CPU_LONG_DATA),
-                 "dflash": dict(steps=6000, **_CPU_LONG_DATA)},
+        "quick": _CPU_QUICK,
+        "long": _CPU_LONG,
+    },
+    "cpu-float32": {
+        "quick": {"eagle": dict(**_CPU_FLOAT32_QUICK_EAGLE, **_CPU_FLOAT32_QUICK_DATA),
+                  "medusa": _CPU_QUICK["medusa"], "dflash": _CPU_QUICK["dflash"]},
+        "long": _CPU_LONG,
     },
     "gpu": {
         "quick": {"eagle": dict(steps=600, lr=3e-4, num_prompts=512, teacher_forced=2048, **_GPU_DATA),
@@ -73,9 +91,10 @@ TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
 
 
 def tier_for(base_dir: str | os.PathLike, device: Any) -> str:
-    """'gpu' for a base of >= 1B parameters on CUDA, else 'cpu'."""
+    """'gpu' for a base of >= 1B parameters on CUDA; 'cpu' for a smaller base on CUDA or a CPU with
+    native bf16; 'cpu-float32' for a CPU without it."""
     if device.type != "cuda":
-        return "cpu"
+        return "cpu" if native_bf16(device) else "cpu-float32"
     return "gpu" if parameter_count(base_dir) >= GPU_MIN_PARAMS else "cpu"
 
 
