@@ -26,6 +26,7 @@ from specdeploy.client import Completion
 from specdeploy.fileio import atomic_write_text
 from specdeploy.manifest import BuildDir
 from specdeploy.triton import stage
+from specdeploy.triton.serve import free_ports
 from specdeploy.trtllm import build as trt_build
 from tests.test_triton_package import eagle3_module, new_build
 
@@ -222,16 +223,6 @@ def stubs(tmp_path: Path, *, local: bool = False, **env: str) -> dict:
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "STUB_DIR": str(state), "STUB_ALL_MODELS": str(all_models),
             "SPECDEPLOY_PYTHON": str(bin_dir / "specdeploy-python"), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
             "METRICS_PORT": str(metrics), **({"SPECDEPLOY_ALL_MODELS": str(all_models)} if local else {}), **env}
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def recorded(env: dict, name: str) -> list:

@@ -30,7 +30,7 @@ from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import stage
-from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions
+from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_ports, shm_regions
 from tests.test_served_batching import (DEADLINE_S, assert_cancelled_early, finished, generated, in_flight, scrape,
                                         wait_for, wait_idle)
 from tests.test_triton_server import http_post
@@ -303,7 +303,7 @@ def test_serve_stops_on_sigint_while_loading(tmp_path):
     (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
     marker = tmp_path / "slow"  # the stub touches slow.loading as it starts loading, slow.loaded once done
     (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(marker=str(marker), load_s=SLOW_LOAD_S))
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(port) for port in free_ports(3)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdeploy", "serve", "--build-dir", str(tmp_path / "build"), "--repo", str(repo),
          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]],

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,6 +28,7 @@ from specdeploy.speculator.distill import distill
 from specdeploy.speculator.parallel import Parallel, setup
 from specdeploy.speculator.train import TrainSettings, data_layers, export_draft, fit, train
 from specdeploy.speculator.validate import CategoryResult, overall
+from specdeploy.triton.serve import free_ports
 
 TINY = dict(num_prompts=8, teacher_forced=0, max_new_tokens=16, window=32, batch_size=4, draft_vocab=96, distill_batch=8)
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,12 +183,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_torchrun_two_ranks_end_with_identical_weights(tiny_llama_dir, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(TINY=dict(TINY, num_prompts=6, distill_batch=3)))
@@ -196,7 +190,7 @@ def test_torchrun_two_ranks_end_with_identical_weights(tiny_llama_dir, tmp_path)
     env = {**os.environ, "PYTHONPATH": path, "SPECDEPLOY_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(script), str(tiny_llama_dir), str(tmp_path)],
+         "--master_port", str(free_ports(1)[0]), str(script), str(tiny_llama_dir), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -31,7 +31,8 @@ from specdeploy.runtime.deployment import deployment_device, load_decoder
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import stage
 from specdeploy.triton.measure import inprocess_speed, served_speed
-from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_port, shm_regions, start_together
+from specdeploy.triton import serve
+from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_ports, shm_regions, start_together
 from tests.triton_raw import StreamClient
 
 pytestmark = pytest.mark.server
@@ -189,9 +190,9 @@ def test_stop_words_and_sampling_inputs(server, decoder):
     text, _ = reference(decoder, max_tokens=20)
     stop = text[3:6] if len(text) > 6 else text
     status, body = http_post(server, "/v2/models/ensemble/generate",
-                             {"text_input": PROMPT, "max_tokens": 20, "stop_words": [stop]})
+                             {"text_input": PROMPT, "max_tokens": 20, "stop_words": [stop], "exclude_input_in_output": True})
     assert status == 200, body
-    assert len(json.loads(body)["text_output"]) < len(text)
+    assert len(json.loads(body)["text_output"]) < len(text)  # the answer alone: generate keeps the prompt by default
     sampled = {"text_input": PROMPT, "max_tokens": 8, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7}
     first, second = http_post(server, "/v2/models/ensemble/generate", sampled), \
         http_post(server, "/v2/models/ensemble/generate", sampled)
@@ -337,7 +338,7 @@ def test_serve_command_stops_cleanly_on_signal(tmp_path, signum):
     """The CLI on free ports, stopped by its PID with SIGINT/SIGTERM: exit 0, log written, shm cleaned.
     (A one-model repository: the packaged one is served by the module's server above.)"""
     repo = _echo_repo(tmp_path / "repo")
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(port) for port in free_ports(3)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdeploy", "serve", "--build-dir", str(tmp_path / "build"), "--repo", str(repo),
          "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]],
@@ -387,3 +388,31 @@ def test_start_together_serves_both_and_stops_both_when_one_fails(tmp_path):
     assert "broken" in str(err.value)
     assert all(server.process is None for server in servers.values())
     assert not any(shm_regions(server.shm_prefix) for server in servers.values())
+
+
+def test_ports_are_never_handed_out_twice(monkeypatch, tmp_path):
+    """The OS hands a port it just freed out again (CI once gave one server's HTTP and metrics the
+    same port, and tritonserver refused to start): a port picked, given or handed out already is skipped."""
+    offered = iter([41001, 41001, 41002, 41001, 41003, 41004, 41002, 41005, 41006, 41007])
+
+    class OsSocket:  # what the OS offers to bind(port 0), in order
+        def __init__(self, *args):
+            self.port = None
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(serve.socket, "socket", OsSocket)
+    monkeypatch.setattr(serve, "_HANDED_OUT", set())
+    first = TritonServer(tmp_path)
+    assert (first.http_port, first.grpc_port, first.metrics_port) == (41001, 41002, 41003)
+    second = TritonServer(tmp_path, grpc_port=41006)
+    assert (second.http_port, second.grpc_port, second.metrics_port) == (41004, 41006, 41005)
+    assert serve.free_ports(1, exclude=(41006,)) == [41007]
+

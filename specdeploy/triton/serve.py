@@ -37,11 +37,27 @@ SHM_PREFIX = "triton_python_backend_shm_region_"
 _PY_TAG = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+_HANDED_OUT: set[tuple[str, int]] = set()
+
+
+def free_ports(count: int, host: str = "127.0.0.1", exclude: tuple[int, ...] = ()) -> list[int]:
+    """`count` distinct ports nothing listens on right now (the OS picks them), none handed out before
+    by this process nor in `exclude`. Every socket stays bound until all are picked: the OS hands a
+    port it just freed out again, and a server given one port twice (HTTP and metrics) will not start."""
+    held, ports = [], []
+    try:
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            if (host, port) not in _HANDED_OUT and port not in exclude and port not in ports:
+                ports.append(port)
+    finally:
+        for sock in held:
+            sock.close()
+    _HANDED_OUT.update((host, port) for port in ports)
+    return ports
 
 
 def bundled_tritonserver() -> Path:
@@ -125,9 +141,9 @@ class TritonServer:
     ) -> None:
         self.repo = Path(repo).resolve()
         self.host = host
-        self.http_port = http_port or free_port(host)
-        self.grpc_port = grpc_port or free_port(host)
-        self.metrics_port = metrics_port or free_port(host)
+        given = (http_port, grpc_port, metrics_port)
+        picked = iter(free_ports(sum(not port for port in given), host, exclude=tuple(p for p in given if p)))
+        self.http_port, self.grpc_port, self.metrics_port = (port or next(picked) for port in given)
         self.log_path = Path(log_path) if log_path else None
         self.tritonserver = Path(tritonserver) if tritonserver else None
         self.ready_timeout = ready_timeout
