@@ -390,6 +390,29 @@ def test_start_together_serves_both_and_stops_both_when_one_fails(tmp_path):
     assert not any(shm_regions(server.shm_prefix) for server in servers.values())
 
 
+def test_bundled_tritonserver_is_found_without_importing_pytriton():
+    """pytriton's __init__ imports its own client, which needs gevent; an environment without it
+    (NVIDIA's CUDA images, where the wheel is brought in with --no-deps) must still find the binary."""
+    code = ("import sys; from specdeploy.triton.serve import bundled_tritonserver; "
+            "print(bundled_tritonserver().is_file(), sorted(m for m in sys.modules if m.split('.')[0] == 'pytriton'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True []"
+
+
+def test_bundled_stub_under_numpy_2_is_refused_before_the_server_starts(monkeypatch, build_root):
+    """The stub crashes on text inputs under numpy 2 (seen on a CUDA image whose packages need it):
+    the error names numpy and the fix, and no tritonserver is started."""
+    serve.check_stub_numpy("1.26.4")
+    real_version = serve.importlib.metadata.version
+    monkeypatch.setattr(serve.importlib.metadata, "version",
+                        lambda name: "2.5.2" if name == "numpy" else real_version(name))
+    started = []
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda *a, **k: started.append(a))
+    with pytest.raises(SpecDeployError, match=r"numpy 2\.5\.2.*numpy 1") as err:
+        TritonServer(build_root / "triton_repo" / "cpu").start()
+    assert "make venv" in str(err.value) and not started
+
+
 def test_ports_are_never_handed_out_twice(monkeypatch, tmp_path):
     """The OS hands a port it just freed out again (CI once gave one server's HTTP and metrics the
     same port, and tritonserver refused to start): a port picked, given or handed out already is skipped."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import signal
@@ -62,15 +64,29 @@ def free_ports(count: int, host: str = "127.0.0.1", exclude: tuple[int, ...] = (
 
 def bundled_tritonserver() -> Path:
     """The tritonserver binary shipped inside the nvidia-pytriton wheel."""
-    try:
-        import pytriton
-    except ImportError as err:
-        raise SpecDeployError("nvidia-pytriton is not installed", hint="run `make venv`") from err
-    root = Path(pytriton.__file__).parent / "tritonserver"
+    # found, not imported: pytriton's __init__ imports its own client (gevent), which serving never uses
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecDeployError("nvidia-pytriton is not installed", hint="run `make venv`")
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     binary = root / "bin" / "tritonserver"
     if not binary.exists():
         raise SpecDeployError(f"no tritonserver in {root}", hint="reinstall nvidia-pytriton==0.7.0")
     return binary
+
+
+def check_stub_numpy(version: str | None = None) -> None:
+    """The bundled stub is built against numpy 1 and runs in this Python's environment: under numpy 2
+    it dies on the first text input ("unpack_from requires a buffer of at least ... bytes"), and
+    the server only reports the stub as unhealthy. Refuse before starting it."""
+    version = version or importlib.metadata.version("numpy")
+    if int(version.split(".")[0]) >= 2:
+        raise SpecDeployError(
+            f"this Python has numpy {version}; the Python-backend stub bundled with nvidia-pytriton is built "
+            "against numpy 1 and crashes on text inputs under numpy 2",
+            hint="serve from the project's environment (`make venv` pins numpy 1.26.4), or pass --tritonserver "
+                 "(a Triton image's own binary and stub)",
+        )
 
 
 def make_backend_dir(work: Path, tritonserver: Path) -> Path:
@@ -210,6 +226,8 @@ class TritonServer:
         """Start the process without waiting for it to be ready (see `start_together`)."""
         if not any(self.repo.glob("*/config.pbtxt")):
             raise SpecDeployError(f"{self.repo} is not a model repository", hint="run `specdeploy package` first")
+        if not self.tritonserver:
+            check_stub_numpy()
         self._work = Path(tempfile.mkdtemp(prefix="specdeploy-triton-"))
         backends = None if self.tritonserver else make_backend_dir(self._work, bundled_tritonserver())
         log = self.log_path or self._work / "tritonserver.log"
