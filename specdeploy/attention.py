@@ -51,9 +51,9 @@ def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch
 def single_query_as_two_rows() -> bool:
     """Whether this CPU runs a single bf16/fp16 query faster as two rows (see the module docstring):
     measured slower one-row calls on an EPYC without AMX, faster ones on a Xeon with it."""
-    from specdeploy.device import cpu_flags
+    from specdeploy.device import cpu_amx
 
-    return "amx_bf16" not in cpu_flags()
+    return not cpu_amx()
 
 
 def _single_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

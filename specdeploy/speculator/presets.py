@@ -1,12 +1,14 @@
 """Training presets of the spec stage (`--preset quick|long`), sized to the base and the hardware.
 
 Three tiers, chosen by the device and the base's parameter count (read from its safetensors
-headers): `cpu` (sized for SmolLM2-135M on 2 CPU cores with native bf16; also what a base under 1B
-gets on a GPU, which then trains the same module, only faster), `cpu-float32` (a CPU without native
-bf16, whose float32 path is 2-3x slower: the quick preset reads fewer answers and trains fewer steps;
-the settings a build used are in its manifest) and `gpu` (a 1B-8B base on CUDA, after ModelOpt's
-EAGLE-3 recipe in examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with batches of
-several sequences as in its offline pipeline, a 32k draft vocabulary, a few epochs over the data).
+headers): `cpu` (sized for SmolLM2-135M on 2 CPU cores with AMX; also what a base under 1B gets on a
+GPU, which then trains the same module, only faster), `cpu-small` (any other CPU: the float32 path
+without native bf16, or AVX512-BF16 without AMX, whose batched products, distillation's and
+training's shape, run several times slower: the quick EAGLE reads fewer answers and trains fewer
+steps; the settings a build used are in its manifest) and `gpu` (a 1B-8B base on CUDA, after
+ModelOpt's EAGLE-3 recipe in examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with
+batches of several sequences as in its offline pipeline, a 32k draft vocabulary, a few epochs over
+the data).
 Budgets count steps, never seconds: the same settings make the same module on any machine.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from specdeploy.device import native_bf16
+from specdeploy.device import cpu_amx, native_bf16
 from specdeploy.errors import SpecDeployError
 from specdeploy.preflight import parameter_count
 from specdeploy.speculator.train import KINDS, TrainSettings
@@ -51,14 +53,17 @@ _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768, dist
 # 800 steps since 2026-11-26 (1,000 before): on the batch-64 data, `make verify` on a fresh clone measured
 # served acceptance 1.32 (chat 1.44), where 1,000 steps had made 1.30 (chat 1.40); ~60 s less training.
 _CPU_QUICK_EAGLE = dict(steps=800, ttt_steps=1)
-# quick on a CPU without native bf16 (the float32 path, 2-3x slower): 256 reads and 400 steps. The float32
-# path forced on the Xeon (SPECDEPLOY_CPU_BF16=0, 2026-11-27, the same float32 data; `spec validate --tree
-# chain --draft-len 1 --prompts 24 --max-new-tokens 96`, float32 base, acceptance length over both
-# categories): 768 reads x 800 steps (data 8.3 min, 471 s training) 1.362; 256 x 400 (224 s) 1.317;
-# 256 x 600 (299 s) 1.328; 768 x 400 (216 s) 1.321. Reads past 256 bought nothing at 400 steps; they
-# cost ~3.5 min of the float32 distillation here, 400 fewer steps ~4 min.
-_CPU_FLOAT32_QUICK_DATA = dict(_CPU_QUICK_DATA, teacher_forced=256)
-_CPU_FLOAT32_QUICK_EAGLE = dict(_CPU_QUICK_EAGLE, steps=400)
+# quick on a CPU without AMX: 256 reads and 400 steps. The float32 path forced on the Xeon
+# (SPECDEPLOY_CPU_BF16=0, 2026-11-27, the same float32 data; `spec validate --tree chain --draft-len 1
+# --prompts 24 --max-new-tokens 96`, float32 base, acceptance length over both categories): 768 reads x
+# 800 steps (data 8.3 min, 471 s training) 1.362; 256 x 400 (224 s) 1.317; 256 x 600 (299 s) 1.328;
+# 768 x 400 (216 s) 1.321: reads past 256 bought nothing at 400 steps; they cost ~3.5 min of the float32
+# distillation there, 400 fewer steps ~4 min. On the bf16 path (the Xeon, its own data, same command):
+# 768 x 800 1.355, 256 x 400 1.304. An EPYC with AVX512-BF16 but no AMX distilled the 896 samples in
+# 6m02s and trained 3.06 steps/s (2026-11-26), ~2x and ~1.2x the Xeon's times with AMX: there the 512
+# fewer reads and 400 fewer steps come to ~4.5 min of a `make engine` last measured at 16-18 min.
+_CPU_SMALL_QUICK_DATA = dict(_CPU_QUICK_DATA, teacher_forced=256)
+_CPU_SMALL_QUICK_EAGLE = dict(_CPU_QUICK_EAGLE, steps=400)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
 # measured on 2 idle threads, 6,000 EAGLE steps took 53 min, 4,000 Medusa steps 19 min.
 _CPU_LONG_DATA = dict(num_prompts=768, teacher_forced=2048, distill_batch=64)
@@ -74,8 +79,8 @@ TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
         "quick": _CPU_QUICK,
         "long": _CPU_LONG,
     },
-    "cpu-float32": {
-        "quick": {"eagle": dict(**_CPU_FLOAT32_QUICK_EAGLE, **_CPU_FLOAT32_QUICK_DATA),
+    "cpu-small": {
+        "quick": {"eagle": dict(**_CPU_SMALL_QUICK_EAGLE, **_CPU_SMALL_QUICK_DATA),
                   "medusa": _CPU_QUICK["medusa"], "dflash": _CPU_QUICK["dflash"]},
         "long": _CPU_LONG,
     },
@@ -92,9 +97,9 @@ TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
 
 def tier_for(base_dir: str | os.PathLike, device: Any) -> str:
     """'gpu' for a base of >= 1B parameters on CUDA; 'cpu' for a smaller base on CUDA or a CPU with
-    native bf16; 'cpu-float32' for a CPU without it."""
+    native bf16 and AMX; 'cpu-small' for any other CPU."""
     if device.type != "cuda":
-        return "cpu" if native_bf16(device) else "cpu-float32"
+        return "cpu" if native_bf16(device) and cpu_amx() else "cpu-small"
     return "gpu" if parameter_count(base_dir) >= GPU_MIN_PARAMS else "cpu"
 
 
