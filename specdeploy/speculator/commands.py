@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_p.add_argument("--allow-pickle", action="store_true", help="let the resolve stage read pickle checkpoints")
     train_p.add_argument("--preset", choices=PRESETS, default="quick",
                          help="sized to the device and the base: on the CPU (or a base under 1B) quick ~7-12 min with native "
-                              "bf16 (3 of them distillation, cached; without native bf16 a smaller quick EAGLE: 256 read "
+                              "bf16 and AMX (3 of them distillation, cached; on any other CPU a smaller quick EAGLE: 256 read "
                               "answers, 400 steps), long ~70 min on 6x the data (SmolLM2-135M, 2 cores); "
                               "a 1B-8B base on CUDA gets ModelOpt-style GPU presets")
     for f in fields(TrainSettings):
