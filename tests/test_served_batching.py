@@ -374,15 +374,27 @@ def test_stop_input_ends_the_request_with_that_id(server, prompt_ids, long_run):
 # one sequence at a time: queue time and back-pressure
 
 
-def test_queue_time_is_visible(small_server, prompt_ids):
-    first, second = Direct(small_server), Direct(small_server)
+def _second_while_first_runs(server: TritonServer, prompt_ids) -> tuple[dict, dict]:
+    """The perf outputs of a 200-token request and of one sent once the first has its first token."""
+    first, second = Direct(server), Direct(server)
     first.send(prompt_ids[0], 200, streaming=True)
     first.first_response()
     second.send(prompt_ids[1], 10)
     a, b = first.collect().final, second.collect().final
     first.close()
     second.close()
-    assert b["arrival_time_ns"] < a["last_token_time_ns"], "the second request came while the first ran"
+    return a, b
+
+
+def test_queue_time_is_visible(small_server, prompt_ids):
+    # On a loaded host the test's own process may send the second request only after the first
+    # ended, which tests nothing: resent until the second arrives while the first runs.
+    for _ in range(5):
+        a, b = _second_while_first_runs(small_server, prompt_ids)
+        if b["arrival_time_ns"] < a["last_token_time_ns"]:
+            break
+    else:
+        pytest.fail("in 5 tries the second request never reached the server while the first ran")
     assert b["first_scheduled_time_ns"] >= a["last_token_time_ns"], "batch of 1: admitted once the first ended"
     assert b["first_scheduled_time_ns"] - b["arrival_time_ns"] > 0  # its queue time
     assert b["arrival_time_ns"] <= b["first_scheduled_time_ns"] <= b["first_token_time_ns"] <= b["last_token_time_ns"]
