@@ -166,7 +166,7 @@ def test_deployment_device_field(tmp_path):
     assert deployment_device({"device": "auto"}, path) == (torch.device("cuda", torch.cuda.current_device()) if CUDA else cpu)
     assert deployment_device({"device": "cuda:0"}, path, override="cpu") == cpu  # a KIND_GPU instance / --device wins
     for bad in ("gpu", "cuda:x", 3):
-        with pytest.raises(SpecDeployError, match=rf"deployment.json: device .* is not a device") as err:
+        with pytest.raises(SpecDeployError, match=r"deployment.json: device .* is not a device") as err:
             deployment_device({"device": bad}, path)
         assert "auto, cpu, cuda or cuda:N" in err.value.hint
 
