@@ -53,8 +53,12 @@ bench: venv
 loadtest: venv
 	$(PY) -m specdeploy loadtest $(BUILD_ARGS) $(LOADTEST_ARGS)
 
-test: venv
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
+# The oracle environments (tests/oracle.py) are made meanwhile in the background: pip works on one core,
+# so a fresh venv install leaves the other idle for a minute; a test that needs one waits on its lock.
+test:
+	$(PYTHON) -m tests.oracle > /dev/null & oracles=$$!; \
+	$(MAKE) --no-print-directory venv && $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests; \
+	status=$$?; wait $$oracles; exit $$status
 
 # The CUDA tests only (tiny models end to end on the GPU); on a host without CUDA they report as skipped.
 test-gpu: venv

@@ -45,7 +45,7 @@ ROUTED = [("eagle", CHAIN), ("eagle", TREE), ("dflash", DraftStructure.make("cha
 @pytest.fixture(scope="module")
 def sglang_site() -> Path:
     """site-packages holding the sglang 0.5.23 wheel's files (no dependencies: only read, never imported)."""
-    python = oracle_venv("sglang-0.5.23", ("--no-deps", "sglang==0.5.23"))
+    python = oracle_venv("sglang-0.5.23")
     return next(python.parent.parent.glob("lib/python*/site-packages"))
 
 

@@ -27,12 +27,11 @@ from tests.oracle import oracle_venv
 from tests.test_modules import _drafts, base, imported, write_layout  # noqa: F401 (base: the fixture)
 
 PROBE = Path(__file__).with_name("speculators_probe.py")
-SPECULATORS = ("torch==2.13.0", "speculators==0.9.0")
 
 
 @pytest.fixture(scope="module")
 def oracle() -> Path:
-    return oracle_venv("speculators-0.9.0", SPECULATORS, uninstall=("torchvision", "torchaudio"))
+    return oracle_venv("speculators-0.9.0")
 
 
 def run_probe(oracle: Path, *args: str) -> None:

@@ -38,15 +38,12 @@ from specdeploy.speculator.train import TrainSettings, train
 from specdeploy.triton import stage
 from specdeploy.trtllm import build as trt_build
 from specdeploy.trtllm import convert, draft_folders, releases, spec_input
-from tests.oracle import oracle_venv
+from tests.oracle import TRANSFORMERS, oracle_venv
 from tests.test_trtllm_llmapi import dflash_spec
 from tests.tiny import make_tokenizer
 
-# transformers version -> the release that pins it (the 4.x pins: releases whose transformers predates ours)
-RELEASES = {r.transformers: f"TensorRT-LLM {r.version}" for r in releases.RELEASES.values() if r.transformers.startswith("4.")}
-# everything else the probe imports, pinned as resolved beside those (torch: the CPU wheel on disk)
-ORACLE_PINS = ("torch==2.13.0", "numpy==1.26.4", "tokenizers==0.22.2", "safetensors==0.8.0",
-               "huggingface-hub==0.36.2", "jinja2==3.1.6")
+# transformers version -> the release that pins it (the oracles: the 4.x pins, older than ours)
+RELEASES = {r.transformers: f"TensorRT-LLM {r.version}" for r in releases.RELEASES.values() if r.transformers in TRANSFORMERS}
 PROBE = Path(__file__).with_name("release_probe.py")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -62,7 +59,7 @@ TINY = dict(num_prompts=8, max_new_tokens=24, window=48, batch_size=4, draft_voc
 
 def oracle_python(version: str) -> Path:
     """The python of a venv with transformers==`version` and the pins beside it (tests/oracle.py)."""
-    return oracle_venv(f"transformers-{version}", (f"transformers=={version}", *ORACLE_PINS))
+    return oracle_venv(f"transformers-{version}")
 
 
 def probe(python: Path | str, request: dict[str, Any], scratch: Path) -> dict[str, Any]:
