@@ -18,7 +18,7 @@ LOADTEST_ARGS ?=
 # the suite's workers (pytest-xdist): a test file stays on one worker, so its module fixtures are built once
 TEST_WORKERS ?= 2
 
-.PHONY: venv engine serve verify bench loadtest test test-gpu clean
+.PHONY: venv oracles engine serve verify bench loadtest test test-gpu clean
 
 venv: $(STAMP)
 
@@ -53,12 +53,14 @@ bench: venv
 loadtest: venv
 	$(PY) -m specdeploy loadtest $(BUILD_ARGS) $(LOADTEST_ARGS)
 
-# The oracle environments (tests/oracle.py) are made meanwhile in the background: pip works on one core,
-# so a fresh venv install leaves the other idle for a minute; a test that needs one waits on its lock.
-test:
-	$(PYTHON) -m tests.oracle > /dev/null & oracles=$$!; \
-	$(MAKE) --no-print-directory venv && $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests; \
-	status=$$?; wait $$oracles; exit $$status
+# The test suite's oracle environments (tests/oracle.py), started in the background before the venv:
+# pip works on one core, so a fresh venv install leaves the other idle for a minute. A test that needs
+# one still being made waits on its lock; a failure is reported again by that test.
+oracles:
+	$(PYTHON) -m tests.oracle > /dev/null &
+
+test: oracles venv
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
 
 # The CUDA tests only (tiny models end to end on the GPU); on a host without CUDA they report as skipped.
 test-gpu: venv
