@@ -4,16 +4,17 @@ such an attempt until the server's own stamps show a request arriving while an e
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import pytest
 
 T = TypeVar("T")
 
 
-def overlapping(spans: list[tuple[int, int]]) -> bool:
-    """(arrival_time_ns, last_token_time_ns) per request: whether one arrived before an earlier one ended."""
-    spans = sorted(spans)
+def overlapping(perfs: Iterable[dict]) -> bool:
+    """Each request's perf outputs (arrival_time_ns, last_token_time_ns): whether one arrived before an
+    earlier one ended."""
+    spans = sorted((perf["arrival_time_ns"], perf["last_token_time_ns"]) for perf in perfs)
     ended = spans[0][1]
     for arrival, last in spans[1:]:
         if arrival < ended:
@@ -22,11 +23,13 @@ def overlapping(spans: list[tuple[int, int]]) -> bool:
     return False
 
 
-def until_overlapping(attempt: Callable[[], T], spans: Callable[[T], list[tuple[int, int]]], tries: int = 5) -> T:
-    """The first result of `attempt()` whose requests overlapped; a failure after `tries` attempts
-    (what a server that answers one request at a time gives)."""
+def until_overlapping(attempt: Callable[[], T], perfs: Callable[[T], Iterable[dict]] = lambda result: result,
+                      tries: int = 5) -> T:
+    """The first result of `attempt()` whose requests (their perf outputs: `perfs(result)`, by default
+    the result itself) overlapped; a failure after `tries` attempts (what a server that answers one
+    request at a time gives)."""
     for _ in range(tries):
         result = attempt()
-        if overlapping(spans(result)):
+        if overlapping(perfs(result)):
             return result
     pytest.fail(f"in {tries} tries no request reached the server while an earlier one ran")

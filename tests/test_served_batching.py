@@ -283,7 +283,7 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(server, prompt_ids)
     alone = [ask_alone(server, ids, n) for ids, n in requests]
     before, together, after = until_overlapping(
         lambda: (scrape(server), ask_together(server, requests), scrape(server)),
-        lambda tried: [(a.final["arrival_time_ns"], a.final["last_token_time_ns"]) for a in tried[1]])
+        lambda tried: [answer.final for answer in tried[1]])
     assert [a.tokens for a in together] == [a.tokens for a in alone]
     assert all(len(a.tokens) == n for a, (_, n) in zip(together, requests))
     # batched: the requests' target forwards add up to more than the batched forwards run
@@ -388,8 +388,7 @@ def _second_while_first_runs(server: TritonServer, prompt_ids) -> tuple[dict, di
 
 
 def test_queue_time_is_visible(small_server, prompt_ids):
-    a, b = until_overlapping(lambda: _second_while_first_runs(small_server, prompt_ids),
-                             lambda pair: [(t["arrival_time_ns"], t["last_token_time_ns"]) for t in pair])
+    a, b = until_overlapping(lambda: _second_while_first_runs(small_server, prompt_ids))
     assert b["first_scheduled_time_ns"] >= a["last_token_time_ns"], "batch of 1: admitted once the first ended"
     assert b["first_scheduled_time_ns"] - b["arrival_time_ns"] > 0  # its queue time
     assert b["arrival_time_ns"] <= b["first_scheduled_time_ns"] <= b["first_token_time_ns"] <= b["last_token_time_ns"]
