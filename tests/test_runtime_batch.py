@@ -563,3 +563,29 @@ def test_speculation_off_costs_a_plain_step_and_resumes_with_the_whole_context(k
         assert (again.tokens.tolist(), again.parents) == (tree.tokens.tolist(), tree.parents)
     assert [seq.result.token_ids for seq in seqs] == [solo(target64, request, None) for request in requests]
     assert off_rounds >= 6
+
+
+def test_a_row_near_its_end_is_not_caught_up_when_speculation_resumes(target64, prompts):
+    """When speculation resumes, a row with more positions missed than tokens left decodes plainly
+    to its end (no catch-up for it, no draft), while a row with most of its answer to come is caught
+    up and drafts, in the same rounds; both answers equal their solo ones (float64)."""
+    inner = make_proposer("eagle-chain", target64, None)
+    base = Recorder(randomized(inner))
+    # four rows decode plainly; once the two short ones end, two remain and speculation resumes
+    lengths = {"short": 4, "short2": 5, "long": 40, "ending": 8}
+    requests = {name: BatchRequest(prompts[i], SamplingParams(max_new_tokens=n))
+                for i, (name, n) in enumerate(lengths.items())}
+    caught_up = []  # rows in each catch-up forward that had missed positions
+    batcher = InflightBatcher(target64, base.fork, draft_len=4, spec_off_above=2, adaptive=False)
+    original = batcher._catch_up
+    batcher._catch_up = lambda rows: (caught_up.append([r.seq.id for r in rows if batcher._worth_catching_up(r)]),
+                                      original(rows))
+    seqs = {name: batcher.add(request) for name, request in requests.items()}
+    while batcher.active or batcher.waiting:
+        batcher.step()
+    results = {name: seq.result for name, seq in seqs.items()}
+    assert {name: len(r.token_ids) for name, r in results.items()} == lengths  # no answer ended early: the case holds
+    assert [ids for ids in caught_up if ids] == [[seqs["long"].id]]  # caught up once, alone
+    assert results["long"].metrics.draft_tokens > 0 and results["ending"].metrics.draft_tokens == 0
+    assert {name: r.token_ids for name, r in results.items()} == {
+        name: solo(target64, request, None) for name, request in requests.items()}

@@ -315,6 +315,22 @@ def test_load_curve_times_rounds_after_a_plain_warmup(target, monkeypatch):
     assert (point.plain_tokens, point.spec_tokens) == (4, 16)
 
 
+def test_load_curve_resumes_a_module_that_reads_the_targets_states(target):
+    """EAGLE reads the target's states: after the plain warm-up each row is caught up (it has the
+    tokens to go for it) and drafts in every timed round, with the default warm-up and a chain of 1."""
+    eagle = build_proposer("eagle", target, mode="chain", chain_len=1)
+    made = []
+
+    def make(size):
+        made.append(batcher_of(target, eagle, 1)(size))
+        return made[-1]
+
+    (point,) = measure_load_curve(make, [[5, 17, 33, 90], [100, 101, 102, 7]], [2], rounds=4, max_draft=1)
+    (batcher,) = made
+    assert batcher.stats.draft_tokens == 2 * (1 + 4)  # both rows: the resuming round and the 4 timed ones
+    assert point.spec_tokens >= point.plain_tokens == 2 * 4
+
+
 def test_load_curve_of_a_draft_too_slow_to_pay_turns_speculation_off(target, monkeypatch):
     clock = Clock(tick=0.001)  # a round without a draft takes 1 ms on the planner's clock, a draft 1 s more
     monkeypatch.setattr(load_plan, "time", clock)

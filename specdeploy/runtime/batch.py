@@ -13,7 +13,8 @@ A round that does not speculate (more rows than `spec_off_above`) costs what a p
 step costs: it asks the target for no hidden states and hands the proposers nothing. When
 speculation resumes, the positions consumed meanwhile are run through the target once more, in one
 batched forward whose cache columns are dropped after (`_catch_up`), so each proposer's context is
-whole again before it drafts.
+whole again before it drafts. A row whose answer has fewer tokens left than it missed is not caught
+up: it decodes plainly to its end (`_worth_catching_up`).
 """
 
 from __future__ import annotations
@@ -202,14 +203,14 @@ class InflightBatcher:
         off: they run through the target once more, all rows in one forward over the batch cache,
         each query seeing its row's cached positions before its own (which hold exactly what the
         first run saw) and itself; the columns this appends are dropped again."""
-        behind = [row.consumed - row.captured if row.hidden_layers else 0 for row in rows]
+        behind = [row.consumed - row.captured if self._worth_catching_up(row) else 0 for row in rows]
         if not any(behind):
             return
         width, columns = max(behind), self._valid.shape[1]
         ids, positions = [], []
         for row, n in zip(rows, behind):
-            ids.append(row.tokens()[0, row.captured: row.consumed].tolist() + [row.pending] * (width - n))
-            positions.append(list(range(row.captured, row.consumed)) + [row.consumed] * (width - n))
+            ids.append(row.tokens()[0, row.captured: row.captured + n].tolist() + [row.pending] * (width - n))
+            positions.append(list(range(row.captured, row.captured + n)) + [row.consumed] * (width - n))
         position = torch.tensor(positions, dtype=torch.long, device=self.device)
         past = batch_cache.seen_before(self._valid, position)
         itself = torch.eye(width, dtype=torch.bool, device=self.device).expand(len(rows), -1, -1)
@@ -227,10 +228,28 @@ class InflightBatcher:
                 row.see({layer: out.hidden_states[layer][i : i + 1, :n] for layer in row.hidden_layers})
                 row.captured = row.consumed
 
+    @staticmethod
+    def _worth_catching_up(row: Row) -> bool:
+        """Whether a row's proposer should be handed the states it missed while speculation was off.
+        Catching up n positions costs a forward over n tokens; the gain is a fraction of each token
+        still to come. A row with fewer tokens left (by its max_new_tokens) than it missed, as when
+        a busy spell's last answers shrink the batch, stays plain to its end: in-process, the load
+        test's closed loop at concurrency 8 with spec_off_above 4 ran at 0.977 of the plain twin
+        catching every row up, 0.987 with this rule, 0.997 catching none up (docs/measurements.md,
+        2026-11-27); a row with most of a long answer to come is still caught up and speculates."""
+        missed = row.consumed - row.captured
+        return bool(row.hidden_layers) and 0 < missed <= row.max_new - len(row.output.tokens)
+
+    @staticmethod
+    def _in_step(row: Row) -> bool:
+        """Whether the row's proposer holds every position's states (or needs none): only then may it draft."""
+        return not row.hidden_layers or row.captured == row.consumed
+
     def _draft(self, rows: list[Row], speculate: bool) -> list[DraftTree]:
         """This round's draft for each row (empty: a plain step), proposed together where the
         proposer can (`Proposer.propose_batch`)."""
-        lengths = [row.controller.next_length() if speculate and row.proposer is not None else 0 for row in rows]
+        lengths = [row.controller.next_length() if speculate and row.proposer is not None and self._in_step(row) else 0
+                   for row in rows]
         drafting = [row for row, length in zip(rows, lengths) if length]
         asks = [length if row.chain else row.max_draft for row, length in zip(rows, lengths) if length]
         trees = {row: DraftTree.empty(self.device) for row in rows}
@@ -265,7 +284,8 @@ class InflightBatcher:
         # padding queries see only themselves; no real query ever sees a padding column
         new = torch.stack(blocks) | torch.eye(width, dtype=torch.bool, device=self.device)
         allowed = torch.cat([self._valid[:, None, :].expand(-1, width, -1), new], dim=2)
-        layers = sorted({layer for row in rows for layer in row.hidden_layers}) if self._speculates(rows) else []
+        speculating = [row for row in rows if self._in_step(row)] if self._speculates(rows) else []
+        layers = sorted({layer for row in speculating for layer in row.hidden_layers})
         out = self.target(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             position_ids=torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -285,7 +305,7 @@ class InflightBatcher:
             return [False] * width
         group, path = self._accept(i, row, tree, logits)
         columns = [0] + [node + 1 for node in path]
-        if row.hidden_layers and hidden:  # a round that speculates hands the proposer its states
+        if row.hidden_layers and hidden and self._in_step(row):  # a round that speculates hands the proposer its states
             index = torch.tensor(columns, dtype=torch.long, device=self.device)
             row.see({layer: hidden[layer][i : i + 1].index_select(1, index.to(hidden[layer].device))
                      for layer in row.hidden_layers})

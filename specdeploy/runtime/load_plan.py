@@ -78,7 +78,9 @@ def _time_rounds(batchers: dict[bool, InflightBatcher], batch: list[list[int]], 
     """Decode `batch` on the speculative (True) and the plain (False) batcher, adding the time and
     tokens of their timed rounds."""
     emitted: dict[bool, list[int]] = {True: [], False: []}
-    params = SamplingParams(max_new_tokens=warmup + (rounds + 1) * (max_draft + 1) + 2)
+    # room for the warm-up twice over: a row is caught up after plain rounds only while it has at
+    # least as many tokens to go as it missed (InflightBatcher._worth_catching_up)
+    params = SamplingParams(max_new_tokens=2 * (warmup + 1) + (rounds + 1) * (max_draft + 1) + 2)
     for speculate, batcher in batchers.items():
         count = emitted[speculate].append
         for ids in batch:
