@@ -61,7 +61,8 @@ _CPU_QUICK_EAGLE = dict(steps=800, ttt_steps=1)
 # distillation there, 400 fewer steps ~4 min. On the bf16 path (the Xeon, its own data, same command):
 # 768 x 800 1.355, 256 x 400 1.304. An EPYC with AVX512-BF16 but no AMX distilled the 896 samples in
 # 6m02s and trained 3.06 steps/s (2026-11-26), ~2x and ~1.2x the Xeon's times with AMX: there the 512
-# fewer reads and 400 fewer steps come to ~4.5 min of a `make engine` last measured at 16-18 min.
+# fewer reads and 400 fewer steps come to ~4.5 min of a `make engine` last measured at 16-18 min (an
+# estimate). A Zen 5 EPYC without AMX (2026-11-27) ran this recipe's spec stage in 234 s, `make engine` 6m34s.
 _CPU_SMALL_QUICK_DATA = dict(_CPU_QUICK_DATA, teacher_forced=256)
 _CPU_SMALL_QUICK_EAGLE = dict(_CPU_QUICK_EAGLE, steps=400)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;
