@@ -60,17 +60,23 @@ def test_chunk_tokens_sum_to_the_answers_token_count(tiny_tokenizer_dir):
     assert sum(counts) == count_tokens(tokenizer, "".join(chunks))
 
 
-def test_break_even_is_the_first_level_below_one():
-    assert break_even([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) == 4
+def test_break_even_follows_the_last_paying_level():
+    assert break_even([1, 2, 4, 8], [1.5, 1.1, 0.9, 0.8]) == 4
+    assert break_even([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) is None  # 8 paid: the dip at 4 is noise
+    assert break_even([1, 2, 4, 8], [1.20, 0.98, 1.11, 1.04]) is None  # a served sweep (2026-11-27)
     assert break_even([1, 2, 4], [1.4, 1.2, 1.01]) is None
-    assert break_even([1, 2], [None, 0.8]) == 2
+    assert break_even([1, 2, 4], [0.9, 1.1, 0.95]) == 4
+    assert break_even([1, 2], [None, 0.8]) == 2  # an unmeasured level is passed over
+    assert break_even([1, 2, 4], [1.3, None, 0.8]) == 4
 
 
 def test_spec_off_above_is_the_last_paying_level_before_break_even():
-    assert suggested_spec_off_above([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) == 2
+    assert suggested_spec_off_above([1, 2, 4, 8], [1.5, 1.1, 0.9, 0.95]) == 2
+    assert suggested_spec_off_above([1, 2, 4, 8], [1.5, 1.1, 0.9, 1.2]) is None
     assert suggested_spec_off_above([1, 2, 4], [1.4, 1.2, 1.01]) is None  # pays everywhere: always speculate
-    assert suggested_spec_off_above([1, 2, 4, 8], [0.7, 0.9, 1.1, 1.2]) == 0  # not even alone
-    assert suggested_spec_off_above([1, 2, 3, 4], [1.3, 1.04, 1.09, 0.8], pays=1.05) == 1  # a gain within the margin stops it
+    assert suggested_spec_off_above([1, 2, 4, 8], [0.7, 0.9, 0.8, 0.6]) == 0  # not even alone
+    assert suggested_spec_off_above([1, 2, 3, 4], [1.3, 1.04, 1.09, 0.8], pays=1.05) == 3  # 2's gain within the margin is noise
+    assert suggested_spec_off_above([1, 2, 3, 4], [1.3, 1.04, 1.02, 0.8], pays=1.05) == 1  # ... unless nothing above paid
 
 
 def test_a_level_stops_paying_only_where_speculation_lost_in_every_pass(tiny_tokenizer_dir):

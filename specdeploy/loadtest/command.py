@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
         point = report["break_even_concurrency"]
         print(f"break-even concurrency: {point if point is not None else 'none in the sweep'} "
               f"(speed-up {' '.join(f'{s:.2f}' for s in curve)} at concurrency {' '.join(map(str, levels))}; "
-              "a level stops paying where speculation lost in every pass)")
+              "speculation stops paying where it lost in every pass at that level and every level above)")
         print(suggestion(report["spec_off_above"]))
     if report["control"]:
         print(noise_summary(report))

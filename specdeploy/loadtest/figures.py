@@ -26,8 +26,9 @@ DEFINITIONS = {
                           "counted, summed over the level's requests, from the server's total_accepted_draft_tokens"),
     "speedup": "speculative output tokens/s / autoregressive output tokens/s at the same concurrency",
     "pass_speedups": "the same ratio in each pass (the two arms ran back to back in every pass)",
-    "break_even_concurrency": ("the first level where speculation lost in every pass: one pass's loss is within this "
-                               "machine's noise (null: no such level in the sweep)"),
+    "break_even_concurrency": ("the level after the last one where speculation paid in some pass: from there on it lost in "
+                               "every pass (one pass's loss is within this machine's noise, and a losing level below a "
+                               "paying one too); null: the last level paid"),
     "spec_off_above": ("the deployment setting the curve suggests: the last level before break-even (0 when speculation "
                        "does not pay at the first level; null when it pays at every level): larger in-flight batches "
                        "then decode plainly"),

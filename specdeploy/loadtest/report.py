@@ -51,7 +51,7 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
     return {
         "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
         "solo_reference": rows[reference].get(0),
-        # a level stops paying only where speculation lost in every pass
+        # speculation stops paying where it lost in every pass there and at every level above
         "break_even_concurrency": break_even(levels, best_pass),
         "spec_off_above": suggested_spec_off_above(levels, best_pass),
         "errors": errors, "mismatches": mismatches, "near_tie": near_tie, "control": controls or None,

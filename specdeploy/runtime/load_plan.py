@@ -4,7 +4,7 @@ Under load the balance moves: an in-flight batch verifies every row in one forwa
 grows slowly with the batch, while most proposers draft row by row (EAGLE drafts the batch
 together, at a cost that still grows with it). `measure_load_curve` runs batches of 1..n
 requests on the deployment and on its plain twin (the AR twin a server is compared with), their
-rounds interleaved, and `spec_off_above` is the largest batch up to which speculating paid
+rounds interleaved, and `spec_off_above` is the largest batch where speculating paid
 (Arctic's disable_by_batch_size).
 """
 
@@ -105,14 +105,19 @@ def _time_rounds(batchers: dict[bool, InflightBatcher], batch: list[list[int]], 
 
 
 def break_even(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:
-    """The first level (concurrency, batch size) whose speed-up is below `pays`: from there on
-    speculation does not pay."""
-    return next((level for level, s in zip(levels, speedups) if s is not None and s < pays), None)
+    """The level (concurrency, batch size) from which speculation stops paying: the measured level
+    after the last one whose speed-up reached `pays` (None: the last measured level paid). The
+    speed-up falls with the load, so a level below `pays` with a paying level above it is noise:
+    served, two passes at concurrency 2 lost by 2% between levels 1, 4 and 8 that paid 1.04-1.20x,
+    and the next run's four passes there paid 1.01-1.09x (docs/measurements.md, 2026-11-27)."""
+    measured = [(level, s) for level, s in zip(levels, speedups) if s is not None]
+    last = max((i for i, (_, s) in enumerate(measured) if s >= pays), default=-1)
+    return measured[last + 1][0] if last + 1 < len(measured) else None
 
 
 def suggested_spec_off_above(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:
     """`spec_off_above` from a speed-up curve: speculate only in batches as large as the largest
-    level before the break-even (None: it paid at every level; 0: not even alone)."""
+    level before the break-even (None: it paid at the last level; 0: not even alone)."""
     point = break_even(levels, speedups, pays)
     if point is None:
         return None
