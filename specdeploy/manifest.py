@@ -129,12 +129,13 @@ class BuildDir:
     @contextmanager
     def stage(
         self, stage: str, out_dir: str, settings: dict[str, Any], consumes: tuple[str, ...] = (),
-        device: str | None = None,
+        device: str | None = None, notes: dict[str, Any] | None = None,
     ) -> Iterator[Path]:
         """Yield a fresh temp folder; on success rename it to `out_dir` and record the stage.
 
-        `device` (device.describe()) is recorded beside the settings, not in them: a stage
-        completed on one device stays complete when the build is mounted on another host."""
+        `device` (device.describe()) and `notes` (how the stage chose its settings) are recorded
+        beside the settings, not in them: a stage completed on one device stays complete when the
+        build is mounted on another host."""
         inputs = {name: self.fingerprint(name) for name in consumes}
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{out_dir}.partial"
@@ -149,10 +150,11 @@ class BuildDir:
             os.rename(final, stale)
             shutil.rmtree(stale)
         os.rename(tmp, final)
-        self._write_record(stage, out_dir, settings, inputs, started, device)
+        self._write_record(stage, out_dir, settings, inputs, started, device, notes)
 
     def _write_record(
-        self, stage: str, out_dir: str, settings: dict, inputs: dict, started: float, device: str | None
+        self, stage: str, out_dir: str, settings: dict, inputs: dict, started: float, device: str | None,
+        notes: dict[str, Any] | None,
     ) -> None:
         out = self.root / out_dir
         outputs = {
@@ -168,6 +170,7 @@ class BuildDir:
             "outputs": outputs,
             "versions": _versions(),
             **({"device": device} if device else {}),
+            **(notes or {}),
             "seconds": round(time.time() - started, 2),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

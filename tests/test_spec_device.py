@@ -1,5 +1,5 @@
 """The spec stage on a device: it computes where it is told and records it, refuses before
-loading anything when memory is short, picks presets by device and model size, trains the GPU's
+loading anything when memory is short, picks presets by model size, trains the GPU's
 dtype layout (bf16 frozen base, fp32 module) through the same code on the CPU, runs data-parallel
 under torchrun with identical weights on every rank, and (`gpu`) runs end to end on CUDA."""
 
@@ -89,21 +89,10 @@ def test_alone_the_same_data_parallel_code_runs_with_world_one(monkeypatch):
     assert torch.equal(torch.cat(halves), batch)
 
 
-def test_presets_by_device_and_model_size(tiny_llama_dir, monkeypatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    monkeypatch.setenv("SPECDEPLOY_CPU_BF16", "1")
-    monkeypatch.setattr(presets, "cpu_amx", lambda: True)
-    assert presets.tier_for(tiny_llama_dir, cpu) == "cpu"
-    assert presets.tier_for(tiny_llama_dir, cuda) == "cpu"  # a small base trains the same module on a GPU
-    monkeypatch.setattr(presets, "cpu_amx", lambda: False)
-    assert presets.tier_for(tiny_llama_dir, cpu) == "cpu-small"  # AVX512-BF16 without AMX
-    assert presets.tier_for(tiny_llama_dir, cuda) == "cpu"
-    monkeypatch.setattr(presets, "cpu_amx", lambda: True)
-    monkeypatch.setenv("SPECDEPLOY_CPU_BF16", "0")
-    assert presets.tier_for(tiny_llama_dir, cpu) == "cpu-small"  # the float32 path
+def test_presets_by_model_size(tiny_llama_dir, monkeypatch):
+    assert presets.gpu_tier(tiny_llama_dir) == "cpu"  # a small base trains the same module on a GPU
     monkeypatch.setattr(presets, "parameter_count", lambda _: 8_030_000_000)
-    assert presets.tier_for(tiny_llama_dir, cuda) == "gpu"
-    assert presets.tier_for(tiny_llama_dir, cpu) == "cpu-small"
+    assert presets.gpu_tier(tiny_llama_dir) == "gpu"
     quick = presets.settings_for("eagle", "quick")
     assert (quick.steps, quick.num_prompts, quick.teacher_forced, quick.window, quick.distill_batch) == (800, 64, 768, 256, 64)
     assert quick.ttt_steps == 1 and presets.settings_for("eagle", "long").ttt_steps == 3  # chain of 1 vs deeper drafts
@@ -113,29 +102,6 @@ def test_presets_by_device_and_model_size(tiny_llama_dir, monkeypatch):
     assert not hasattr(quick, "time_budget_s")  # budgets count steps
     with pytest.raises(SpecDeployError, match="unknown preset"):
         presets.settings_for("eagle", "huge")
-
-
-def test_a_cpu_without_amx_trains_the_quick_eagle_on_less_and_keeps_a_build_made_elsewhere(tmp_path, monkeypatch):
-    """The quick EAGLE of a CPU without AMX (here the float32 path) reads fewer answers and trains fewer
-    steps (the other kinds and presets are the AMX CPU's); a module trained on another tier is kept."""
-    cpu, f32 = presets.settings_for("eagle", "quick"), presets.settings_for("eagle", "quick", tier="cpu-small")
-    assert f32.teacher_forced < cpu.teacher_forced and f32.steps < cpu.steps
-    assert (f32.num_prompts, f32.code_prompts, f32.ttt_steps) == (cpu.num_prompts, cpu.code_prompts, cpu.ttt_steps)
-    for kind, preset in (("medusa", "quick"), ("dflash", "quick"), ("eagle", "long")):
-        assert presets.settings_for(kind, preset, tier="cpu-small") == presets.settings_for(kind, preset)
-    build = BuildDir(tmp_path / "b")
-    with build.stage("resolve", "base", {}) as tmp:
-        (tmp / "config.json").write_text("{}")
-    with build.stage("spec", "spec", asdict(cpu), consumes=("resolve",)) as tmp:
-        (tmp / "module.safetensors").write_text("trained on a bf16 host")
-    monkeypatch.setenv("SPECDEPLOY_CPU_BF16", "0")
-    trained = []
-    monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
-    assert commands.run(build, "eagle", device="cpu") == build.path("spec") and trained == []
-    with build.stage("spec", "spec", asdict(presets.settings_for("eagle", "quick", steps=3)), consumes=("resolve",)) as tmp:
-        (tmp / "module.safetensors").write_text("other settings")
-    commands.run(build, "eagle", device="cpu")
-    assert trained == [f32]  # settings no tier makes: trained again, with this host's tier
 
 
 def test_gpu_dtype_layout_runs_on_the_cpu(tiny_llama_dir, data, tmp_path, monkeypatch):

@@ -118,12 +118,12 @@ def test_calibration_and_the_quality_report_see_what_is_served(tokenizer, served
     would read that conversation sent as text."""
     from specdeploy.quantize.calibrate import calibration_batches
     from specdeploy.quantize.report import report_prompts
-    from specdeploy.speculator.distill import _conversation_ids
+    from specdeploy.speculator.distill import read_ids
 
     conversation = [{"role": "user", "content": CHAT}, {"role": "assistant", "content": ANSWER}]
     expected = served(tokenizer.apply_chat_template(conversation, tokenize=False))
     assert calibration_batches(tokenizer, 1, 512)[0][0].tolist() == expected
-    assert _conversation_ids(tokenizer, conversation, 512) == expected
+    assert read_ids(tokenizer, conversation, 512) == expected
     assert report_prompts(tokenizer, 1) == [served(_client_text(tokenizer, CHAT))]
 
 

@@ -21,7 +21,8 @@ from specdeploy.device import add_device_arg, announce, describe, fast_dtype, re
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.speculator.parallel import setup
-from specdeploy.speculator.presets import PRESETS, TABLE, settings_for, tier_for
+from specdeploy.speculator.presets import PRESETS, TABLE, gpu_tier, settings_for
+from specdeploy.speculator.sizing import cpu_tier, recorded
 from specdeploy.speculator.train import TrainSettings, train
 
 STAGE = "spec"
@@ -35,17 +36,21 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
     parallel = setup(resolve_device(device))
     where = announce("spec", parallel.device)
     base_dir = build.path("base")
-    tier = tier_for(base_dir, parallel.device)
-    settings = settings_for(spec, preset, tier=tier, **overrides)
     if _complete(build, spec, preset, overrides):
         return build.path(OUT)
+    if parallel.device.type == "cuda":
+        tier = gpu_tier(base_dir)
+    else:
+        tier = cpu_tier(build, spec, preset, overrides, parallel)
+    settings = settings_for(spec, preset, tier=tier, **overrides)
     if parallel.is_main:
         print(f"specdeploy spec: {preset} preset of the {tier} tier: {settings.steps} steps on {settings.num_prompts} "
               f"generated answers, {settings.code_prompts} code completions and {settings.teacher_forced} read answers",
               file=sys.stderr)
     train_args = dict(ckpt_dir=build.root / CKPT, parallel=parallel, trust_remote_code=trust_remote_code)
     if parallel.is_main:
-        with build.stage(STAGE, OUT, asdict(settings), consumes=("resolve",), device=where) as tmp:
+        with build.stage(STAGE, OUT, asdict(settings), consumes=("resolve",), device=where,
+                         notes={"sizing": sizing} if (sizing := recorded(build)) else None) as tmp:
             train(base_dir, tmp, settings, **train_args)
     else:
         train(base_dir, None, settings, **train_args)  # only rank 0 writes
@@ -72,9 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_loader_args(train_p)
     train_p.add_argument("--allow-pickle", action="store_true", help="let the resolve stage read pickle checkpoints")
     train_p.add_argument("--preset", choices=PRESETS, default="quick",
-                         help="sized to the device and the base: on the CPU (or a base under 1B) quick ~7-12 min with native "
-                              "bf16 and AMX (3 of them distillation, cached; on any other CPU a smaller quick EAGLE: 256 read "
-                              "answers, 400 steps), long ~70 min on 6x the data (SmolLM2-135M, 2 cores); "
+                         help="sized to the device and the base: on the CPU (or a base under 1B) quick ~4-8 min on 2 cores "
+                              "with native bf16 (distillation cached; a CPU timed too slow for it gets a smaller quick "
+                              "EAGLE: 256 read answers, 400 steps), long ~70 min on 6x the data (SmolLM2-135M, 2 cores); "
                               "a 1B-8B base on CUDA gets ModelOpt-style GPU presets")
     for f in fields(TrainSettings):
         if f.name in ("kind", "choices"):

@@ -107,7 +107,8 @@ def generate(
     return data
 
 
-def _conversation_ids(tokenizer: Any, conversation: list[dict[str, str]], max_tokens: int) -> list[int]:
+def read_ids(tokenizer: Any, conversation: list[dict[str, str]], max_tokens: int) -> list[int]:
+    """A conversation's first exchange as the base reads it, cut to `max_tokens`."""
     turns = [t for t in conversation[:2] if t["role"] in ("user", "assistant")]
     return conversation_ids(tokenizer, turns)[:max_tokens]
 
@@ -120,7 +121,7 @@ def teacher_forced(
     """ShareGPT answers read (not generated) by the base: one prefill per batch, ~10x more
     positions per CPU second than generating. The training targets are still the base's own
     predictions (logit distillation), only the contexts are off-policy."""
-    encoded = sorted((_conversation_ids(tokenizer, c, max_tokens) for c in conversations), key=len, reverse=True)
+    encoded = sorted((read_ids(tokenizer, c, max_tokens) for c in conversations), key=len, reverse=True)
     encoded = [e for e in encoded if len(e) > 8]
     tokens, valid, hidden = [], [], {layer: [] for layer in layers}
     started = time.time()

@@ -1,14 +1,12 @@
 """Training presets of the spec stage (`--preset quick|long`), sized to the base and the hardware.
 
-Three tiers, chosen by the device and the base's parameter count (read from its safetensors
-headers): `cpu` (sized for SmolLM2-135M on 2 CPU cores with AMX; also what a base under 1B gets on a
-GPU, which then trains the same module, only faster), `cpu-small` (any other CPU: the float32 path
-without native bf16, or AVX512-BF16 without AMX, whose batched products, distillation's and
-training's shape, run several times slower: the quick EAGLE reads fewer answers and trains fewer
-steps; the settings a build used are in its manifest) and `gpu` (a 1B-8B base on CUDA, after
-ModelOpt's EAGLE-3 recipe in examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with
-batches of several sequences as in its offline pipeline, a 32k draft vocabulary, a few epochs over
-the data).
+Three tiers: `gpu` (a 1B-8B base on CUDA, after ModelOpt's EAGLE-3 recipe in
+examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with batches of several sequences
+as in its offline pipeline, a 32k draft vocabulary, a few epochs over the data), `cpu` (sized for
+SmolLM2-135M on 2 fast CPU cores; also what a base under 1B gets on a GPU, which then trains the
+same module, only faster) and `cpu-small` (a quick EAGLE that reads fewer answers and trains fewer
+steps, for a CPU too slow for `cpu`'s). A CPU's tier is chosen by its measured speed (sizing.py);
+the settings a build used are in its manifest.
 Budgets count steps, never seconds: the same settings make the same module on any machine.
 """
 
@@ -17,7 +15,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from specdeploy.device import cpu_amx, native_bf16
 from specdeploy.errors import SpecDeployError
 from specdeploy.preflight import parameter_count
 from specdeploy.speculator.train import KINDS, TrainSettings
@@ -96,11 +93,8 @@ TABLE: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
 }
 
 
-def tier_for(base_dir: str | os.PathLike, device: Any) -> str:
-    """'gpu' for a base of >= 1B parameters on CUDA; 'cpu' for a smaller base on CUDA or a CPU with
-    native bf16 and AMX; 'cpu-small' for any other CPU."""
-    if device.type != "cuda":
-        return "cpu" if native_bf16(device) and cpu_amx() else "cpu-small"
+def gpu_tier(base_dir: str | os.PathLike) -> str:
+    """The tier of a base on CUDA: 'gpu' from 1B parameters, else 'cpu' (the same module, faster)."""
     return "gpu" if parameter_count(base_dir) >= GPU_MIN_PARAMS else "cpu"
 
 

@@ -1,0 +1,189 @@
+"""Which CPU tier a host affords, by its measured speed (issue #36's "sized to the host").
+
+On a CPU the quick EAGLE comes in two sizes (presets: `cpu`, 768 read answers and 800 steps;
+`cpu-small`, 256 and 400, ~0.05 less acceptance). A CPU's flags do not tell its speed: a Zen 5 EPYC
+without AMX ran training's bf16 product as fast as a Xeon with AMX, an EPYC of the generation before
+distilled at half the Xeon's speed (docs/measurements.md, 2026-11-26 and 2026-11-27). So the stage
+times the `cpu` recipe's work in miniature on the base itself (a distillation batch's prefill and
+decode steps, one batch of read answers, a few training steps: the functions the stage runs) and
+takes the larger recipe when its predicted time fits SPEC_BUDGET_S.
+
+Decided once per build: the choice and what it measured are kept in build/<name>/.spec.sizing.json
+(a rerun, or a resumed run, reads it back) and in the spec stage's manifest record. The settings it
+picks count steps, never seconds, so the manifest alone reproduces the module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdeploy.fileio import atomic_write_json
+from specdeploy.manifest import BuildDir
+from specdeploy.speculator.parallel import Parallel
+from specdeploy.speculator.presets import settings_for
+from specdeploy.speculator.train import TrainSettings
+
+# The spec stage's budget on a CPU, in predicted seconds: `make engine` <= 12 min on a CPU with native
+# bf16 (issue #36), of which the other stages and the venv took 2.7-4.2 min (2026-11-27: a Zen 5 EPYC
+# 160 s, a Xeon with AMX 250 s). The prediction leaves out loading, writing shards and the export,
+# and decodes at a short context: on the Zen 5 EPYC it said 205 s for a `cpu-small` stage of 234 s.
+# The `cpu` recipe's stage took 380-444 s on that Xeon: ~335-390 s predicted, within the budget; the
+# EPYC of 2026-11-26 took ~620 s for its work (16-18 min builds): ~550 s predicted, beyond it.
+SPEC_BUDGET_S = 420.0
+SIZING_FILE = ".spec.sizing.json"
+DECODE_STEPS = 8  # decode steps timed at a distillation batch's size
+TRAIN_STEPS = 12  # training steps timed, the first (slower) one among them: an upper bound
+
+
+@dataclass
+class HostSpeed:
+    """Seconds of the spec stage's units of work on this host, for one base."""
+
+    token_s: float  # one position of a batched forward that keeps hidden states (a prefill, a read)
+    decode_step_s: float  # one more token for every answer of a distillation batch
+    train_step_s: float  # one training step
+
+
+@dataclass
+class Work:
+    """What the spec stage computes for some settings: counted from its own prompts and answers."""
+
+    prefill_tokens: int  # generation batches' prompts, padded to each batch's longest
+    read_tokens: int  # read answers, padded the same way
+    decode_steps: int  # every answer generated to max_new_tokens: an upper bound
+    train_steps: int
+
+    def seconds(self, speed: HostSpeed) -> float:
+        return ((self.prefill_tokens + self.read_tokens) * speed.token_s + self.decode_steps * speed.decode_step_s
+                + self.train_steps * speed.train_step_s)
+
+
+def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel) -> str:
+    """'cpu' or 'cpu-small' for this build on this CPU: the build's recorded choice, else measured
+    (on rank 0; the other ranks read its choice)."""
+    large, small = (settings_for(kind, preset, tier=tier, **overrides) for tier in ("cpu", "cpu-small"))
+    if large == small:
+        return "cpu"  # nothing to choose
+    if parallel.is_main and recorded(build) is None:
+        from specdeploy.checkpoints import load_tokenizer
+
+        base_dir = build.path("base")
+        speed = measure(base_dir, large, parallel.device)
+        work = work_for(large, load_tokenizer(base_dir))
+        predicted = work.seconds(speed)
+        tier = "cpu" if predicted <= SPEC_BUDGET_S else "cpu-small"
+        print(f"specdeploy spec: the cpu tier's {preset} {kind} would take ~{predicted:.0f} s on this host "
+              f"(budget {SPEC_BUDGET_S:.0f} s): {tier} tier", file=sys.stderr)
+        atomic_write_json(build.root / SIZING_FILE, {
+            "tier": tier, "predicted_s": round(predicted, 1), "budget_s": SPEC_BUDGET_S, "speed": asdict(speed),
+            "work": asdict(work), "base": build.fingerprint("resolve")})
+    parallel.barrier()  # rank 0 has written the choice
+    return recorded(build)["tier"]
+
+
+def recorded(build: BuildDir) -> dict[str, Any] | None:
+    """The build's sizing (.spec.sizing.json) for its base; None before it was measured."""
+    path = build.root / SIZING_FILE
+    sizing = json.loads(path.read_text()) if path.is_file() else None
+    return sizing if sizing and sizing.get("base") == build.fingerprint("resolve") else None
+
+
+def work_for(settings: TrainSettings, tokenizer: Any) -> Work:
+    """The stage's work for `settings`: the prompts and answers distill() takes, batched as it does."""
+    from specdeploy.data import sharegpt_conversations, stdlib_code_prompts
+    from specdeploy.speculator.common import chat_prompts
+    from specdeploy.speculator.distill import MAX_PROMPT_TOKENS, TF_BATCH, read_ids
+    from specdeploy.speculator.validate import encode
+
+    chat = [encode(tokenizer, p, "chat", MAX_PROMPT_TOKENS) for p in chat_prompts(settings.num_prompts, "train")]
+    code = [encode(tokenizer, p, "code", MAX_PROMPT_TOKENS) for p in stdlib_code_prompts(settings.code_prompts)]
+    reads = [ids for c in sharegpt_conversations(settings.teacher_forced, "train", seed=1)
+             if len(ids := read_ids(tokenizer, c, settings.tf_max_tokens)) > 8]
+    batches = [_padded(chat, settings.distill_batch), _padded(code, settings.distill_batch)]
+    return Work(prefill_tokens=sum(tokens for tokens, _ in batches), read_tokens=_padded(reads, TF_BATCH)[0],
+                decode_steps=sum(count for _, count in batches) * (settings.max_new_tokens - 1),
+                train_steps=settings.steps)
+
+
+def _padded(sequences: list[list[int]], batch_size: int) -> tuple[int, int]:
+    """(positions, batches) of `sequences` batched longest first, each batch padded to its longest."""
+    lengths = sorted((len(s) for s in sequences), reverse=True)
+    batches = range(0, len(lengths), batch_size)
+    return sum(lengths[i] * len(lengths[i:i + batch_size]) for i in batches), len(batches)
+
+
+def measure(base_dir: Path, settings: TrainSettings, device: torch.device) -> HostSpeed:
+    """Time the units of `settings`' work with the stage's own functions."""
+    from tqdm import tqdm
+
+    from specdeploy.data import sharegpt_conversations
+    from specdeploy.speculator.common import chat_prompts
+    from specdeploy.speculator.distill import TF_BATCH, generate, read_ids, teacher_forced
+
+    print("specdeploy spec: timing distillation and training on this host to size the preset", file=sys.stderr)
+    model, tokenizer = _base(base_dir, device)
+    layers = _layers(base_dir)
+    with tqdm(total=3, desc="sizing", unit="probe") as bar:
+        # a batch of reads, the faster of two (the first pays for allocations)
+        conversations = sharegpt_conversations(TF_BATCH, "train", seed=1)
+        reads = [read_ids(tokenizer, c, settings.tf_max_tokens) for c in conversations]
+        read_s = min(_seconds(teacher_forced, model, tokenizer, conversations, layers=layers,
+                              max_tokens=settings.tf_max_tokens) for _ in range(2))
+        token_s = read_s / _padded(reads, TF_BATCH)[0]
+        bar.update(1)
+        # decode steps at the distillation batch's size, on prompts cut short (their prefill is not what is timed)
+        short = [p[:200] for p in chat_prompts(settings.distill_batch, "train")]
+        once, longer = (_seconds(generate, model, tokenizer, short, max_new_tokens=n, layers=layers, batch_size=len(short))
+                        for n in (1, 1 + DECODE_STEPS))
+        decode_step_s = max(longer - once, 0.0) / DECODE_STEPS
+        bar.update(1)
+        train_step_s = _time_training(base_dir, settings, device)
+        bar.update(1)
+    return HostSpeed(token_s, decode_step_s, train_step_s)
+
+
+def _seconds(function: Any, *args: Any, **kwargs: Any) -> float:
+    start = time.perf_counter()
+    function(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+def _base(base_dir: Path, device: torch.device) -> tuple[Any, Any]:
+    from specdeploy.attention import use_cpu_sdpa
+    from specdeploy.checkpoints import load_tokenizer
+    from specdeploy.device import fast_dtype
+    from specdeploy.speculator.common import load_base
+
+    return use_cpu_sdpa(load_base(base_dir, fast_dtype(device), device=device)), load_tokenizer(base_dir)
+
+
+def _layers(base_dir: Path) -> list[int]:
+    from specdeploy.speculator.train import data_layers
+
+    return data_layers(json.loads((base_dir / "config.json").read_text())["num_hidden_layers"])
+
+
+def _time_training(base_dir: Path, settings: TrainSettings, device: torch.device) -> float:
+    """One training step of `settings`, the mean of TRAIN_STEPS on hidden states of the base's width
+    (random: a step's cost does not depend on the values)."""
+    from specdeploy.speculator.shards import DistillData
+    from specdeploy.speculator.train import fit
+
+    config = json.loads((base_dir / "config.json").read_text())
+    positions = 2 * settings.batch_size * settings.window
+    generator = torch.Generator().manual_seed(0)
+    data = DistillData(
+        tokens=torch.randint(config["vocab_size"], (positions,), generator=generator),
+        valid=torch.ones(positions, dtype=torch.bool),
+        hidden={layer: torch.randn(positions, config["hidden_size"], generator=generator).to(torch.bfloat16)
+                for layer in _layers(base_dir)},
+        info={})
+    return fit(base_dir, replace(settings, steps=TRAIN_STEPS), data=data, device=device).stats["seconds"] / TRAIN_STEPS

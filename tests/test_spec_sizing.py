@@ -1,0 +1,116 @@
+"""The CPU tier by measured speed (speculator/sizing.py): the larger quick EAGLE where its predicted
+time fits the budget, the smaller elsewhere; measured once per build and recorded; the work counted
+as the stage batches it; the probe runs the stage's own functions on a real (tiny) base."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+
+from specdeploy.manifest import BuildDir
+from specdeploy.speculator import commands, presets, sizing
+from specdeploy.speculator.parallel import Parallel
+
+pytestmark = pytest.mark.usefixtures("spec_cache")  # conftest: a private data cache, one thread
+
+LARGE, SMALL = (presets.settings_for("eagle", "quick", tier=tier) for tier in ("cpu", "cpu-small"))
+WORK = sizing.Work(prefill_tokens=20_000, read_tokens=200_000, decode_steps=400, train_steps=800)
+
+
+def _build(tmp_path, base: str = "{}") -> BuildDir:
+    build = BuildDir(tmp_path / "b")
+    with build.stage("resolve", "base", {}) as tmp:
+        (tmp / "config.json").write_text(base)
+    return build
+
+
+def _host(monkeypatch, train_step_s: float, calls: list | None = None) -> None:
+    """A host whose training step takes `train_step_s` (the rest of the work ~0.1 s a unit)."""
+    def measure(base_dir, settings, device):
+        if calls is not None:
+            calls.append(settings)
+        return sizing.HostSpeed(token_s=2e-4, decode_step_s=0.1, train_step_s=train_step_s)
+
+    monkeypatch.setattr(sizing, "measure", measure)
+    monkeypatch.setattr(sizing, "work_for", lambda settings, tokenizer: replace(WORK, train_steps=settings.steps))
+    monkeypatch.setattr("specdeploy.checkpoints.load_tokenizer", lambda base_dir: None)
+
+
+def test_predicted_seconds_add_the_units_of_work():
+    speed = sizing.HostSpeed(token_s=1e-3, decode_step_s=0.5, train_step_s=0.25)
+    assert WORK.seconds(speed) == pytest.approx(220 + 200 + 200)
+
+
+def test_a_fast_cpu_trains_the_larger_quick_eagle_and_a_slow_one_the_smaller(tmp_path, monkeypatch):
+    trained, calls = [], []
+    monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
+    _host(monkeypatch, train_step_s=0.1, calls=calls)  # 44 + 40 + 80 s: within the budget
+    fast = _build(tmp_path / "fast")
+    commands.run(fast, "eagle", device="cpu")
+    _host(monkeypatch, train_step_s=0.5, calls=calls)  # 44 + 40 + 400 s: beyond it
+    slow = _build(tmp_path / "slow")
+    commands.run(slow, "eagle", device="cpu")
+    assert trained == [LARGE, SMALL] and calls == [LARGE, LARGE]  # the larger recipe is what is timed
+    assert fast.record("spec")["sizing"]["tier"] == "cpu" and slow.record("spec")["sizing"]["tier"] == "cpu-small"
+    assert slow.record("spec")["sizing"]["predicted_s"] == pytest.approx(484, abs=0.1)
+    assert slow.record("spec")["settings"] == json.loads(json.dumps(asdict(SMALL)))  # the manifest reproduces it
+
+
+def test_the_choice_is_made_once_per_build_and_per_base(tmp_path, monkeypatch):
+    """A rerun (the module deleted, or a stage interrupted) keeps the tier first measured; another base
+    in the same build folder is measured again."""
+    trained, calls = [], []
+    monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
+    build = _build(tmp_path)
+    _host(monkeypatch, train_step_s=0.5, calls=calls)
+    commands.run(build, "eagle", device="cpu")
+    _host(monkeypatch, train_step_s=0.1, calls=calls)  # the host is faster now (another hour)
+    commands.run(build, "eagle", device="cpu", steps=401)  # other settings: trained again
+    assert trained == [SMALL, replace(SMALL, steps=401)] and len(calls) == 1
+    with build.stage("resolve", "base", {"other": "base"}) as tmp:
+        (tmp / "config.json").write_text('{"another": "base"}')
+    commands.run(build, "eagle", device="cpu")
+    assert trained[-1] == LARGE and len(calls) == 2
+
+
+def test_no_measurement_when_both_tiers_train_the_same(tmp_path, monkeypatch):
+    trained = []
+    monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
+    monkeypatch.setattr(sizing, "measure", lambda *a: pytest.fail("measured although nothing was to choose"))
+    for kind, preset in (("medusa", "quick"), ("dflash", "quick"), ("eagle", "long")):
+        commands.run(_build(tmp_path / kind), kind, preset=preset, device="cpu")
+    commands.run(_build(tmp_path / "overridden"), "eagle", device="cpu", steps=3, teacher_forced=16)
+    assert [s.kind for s in trained] == ["medusa", "dflash", "eagle", "eagle"] and trained[-1].steps == 3
+
+
+def test_a_module_trained_on_another_tier_is_kept(tmp_path, monkeypatch):
+    """A build made on a GPU host or a faster CPU stays complete where this CPU would choose the other tier."""
+    build = _build(tmp_path)
+    with build.stage("spec", "spec", asdict(LARGE), consumes=("resolve",)) as tmp:
+        (tmp / "module.safetensors").write_text("trained on a fast host")
+    monkeypatch.setattr(commands, "train", lambda *a, **_: pytest.fail("trained again"))
+    monkeypatch.setattr(sizing, "measure", lambda *a: pytest.fail("measured although the stage was complete"))
+    assert commands.run(build, "eagle", device="cpu") == build.path("spec")
+
+
+def test_padded_positions_count_batches_longest_first():
+    sequences = [[0] * n for n in (3, 9, 5, 4, 8)]
+    assert sizing._padded(sequences, 2) == (9 * 2 + 5 * 2 + 3, 3)  # (9, 8), (5, 4), (3)
+    assert sizing._padded([], 8) == (0, 0)
+
+
+def test_the_probe_times_the_stage_functions_on_a_real_base(tiny_llama_dir):
+    settings = replace(presets.settings_for("eagle", "quick", tier="cpu"), num_prompts=8, code_prompts=8, teacher_forced=16,
+                       distill_batch=8, max_new_tokens=24, window=32, draft_vocab=96)
+    speed = sizing.measure(tiny_llama_dir, settings, torch.device("cpu"))
+    assert all(0 < v < 60 and math.isfinite(v) for v in asdict(speed).values()), speed
+    from specdeploy.checkpoints import load_tokenizer
+
+    work = sizing.work_for(settings, load_tokenizer(tiny_llama_dir))
+    assert work.decode_steps == 2 * 23 and work.train_steps == settings.steps  # one chat and one code batch
+    assert 0 < work.read_tokens <= 16 * settings.tf_max_tokens and 0 < work.prefill_tokens <= 16 * 192
+    assert work.seconds(speed) > 0
