@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest

@@ -13,7 +13,6 @@ import torch
 
 from specdeploy.manifest import BuildDir
 from specdeploy.speculator import commands, presets, sizing
-from specdeploy.speculator.parallel import Parallel
 
 pytestmark = pytest.mark.usefixtures("spec_cache")  # conftest: a private data cache, one thread
 

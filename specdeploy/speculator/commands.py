@@ -41,7 +41,7 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
     if parallel.device.type == "cuda":
         tier = gpu_tier(base_dir)
     else:
-        tier = cpu_tier(build, spec, preset, overrides, parallel)
+        tier = cpu_tier(build, spec, preset, overrides, parallel, trust_remote_code=trust_remote_code)
     settings = settings_for(spec, preset, tier=tier, **overrides)
     if parallel.is_main:
         print(f"specdeploy spec: {preset} preset of the {tier} tier: {settings.steps} steps on {settings.num_prompts} "

@@ -113,6 +113,13 @@ def read_ids(tokenizer: Any, conversation: list[dict[str, str]], max_tokens: int
     return conversation_ids(tokenizer, turns)[:max_tokens]
 
 
+def readable(tokenizer: Any, conversations: list[list[dict[str, str]]], max_tokens: int) -> list[list[int]]:
+    """What teacher_forced() reads of `conversations`: their ids, longest first (batches pad little),
+    without those too short to train on."""
+    encoded = sorted((read_ids(tokenizer, c, max_tokens) for c in conversations), key=len, reverse=True)
+    return [e for e in encoded if len(e) > 8]
+
+
 @torch.no_grad()
 def teacher_forced(
     model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], *, layers: list[int],
@@ -121,8 +128,7 @@ def teacher_forced(
     """ShareGPT answers read (not generated) by the base: one prefill per batch, ~10x more
     positions per CPU second than generating. The training targets are still the base's own
     predictions (logit distillation), only the contexts are off-policy."""
-    encoded = sorted((read_ids(tokenizer, c, max_tokens) for c in conversations), key=len, reverse=True)
-    encoded = [e for e in encoded if len(e) > 8]
+    encoded = readable(tokenizer, conversations, max_tokens)
     tokens, valid, hidden = [], [], {layer: [] for layer in layers}
     started = time.time()
     device = model_device(model)

@@ -16,7 +16,6 @@ picks count steps, never seconds, so the manifest alone reproduces the module.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -66,7 +65,8 @@ class Work:
                 + self.train_steps * speed.train_step_s)
 
 
-def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel) -> str:
+def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel, *,
+             trust_remote_code: bool = False) -> str:
     """'cpu' or 'cpu-small' for this build on this CPU: the build's recorded choice, else measured
     (on rank 0; the other ranks read its choice)."""
     large, small = (settings_for(kind, preset, tier=tier, **overrides) for tier in ("cpu", "cpu-small"))
@@ -76,7 +76,7 @@ def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any],
         from specdeploy.checkpoints import load_tokenizer
 
         base_dir = build.path("base")
-        speed = measure(base_dir, large, parallel.device)
+        speed = measure(base_dir, large, parallel.device, trust_remote_code=trust_remote_code)
         work = work_for(large, load_tokenizer(base_dir))
         predicted = work.seconds(speed)
         tier = "cpu" if predicted <= SPEC_BUDGET_S else "cpu-small"
@@ -100,13 +100,12 @@ def work_for(settings: TrainSettings, tokenizer: Any) -> Work:
     """The stage's work for `settings`: the prompts and answers distill() takes, batched as it does."""
     from specdeploy.data import sharegpt_conversations, stdlib_code_prompts
     from specdeploy.speculator.common import chat_prompts
-    from specdeploy.speculator.distill import MAX_PROMPT_TOKENS, TF_BATCH, read_ids
+    from specdeploy.speculator.distill import MAX_PROMPT_TOKENS, TF_BATCH, readable
     from specdeploy.speculator.validate import encode
 
     chat = [encode(tokenizer, p, "chat", MAX_PROMPT_TOKENS) for p in chat_prompts(settings.num_prompts, "train")]
     code = [encode(tokenizer, p, "code", MAX_PROMPT_TOKENS) for p in stdlib_code_prompts(settings.code_prompts)]
-    reads = [ids for c in sharegpt_conversations(settings.teacher_forced, "train", seed=1)
-             if len(ids := read_ids(tokenizer, c, settings.tf_max_tokens)) > 8]
+    reads = readable(tokenizer, sharegpt_conversations(settings.teacher_forced, "train", seed=1), settings.tf_max_tokens)
     batches = [_padded(chat, settings.distill_batch), _padded(code, settings.distill_batch)]
     return Work(prefill_tokens=sum(tokens for tokens, _ in batches), read_tokens=_padded(reads, TF_BATCH)[0],
                 decode_steps=sum(count for _, count in batches) * (settings.max_new_tokens - 1),
@@ -120,21 +119,21 @@ def _padded(sequences: list[list[int]], batch_size: int) -> tuple[int, int]:
     return sum(lengths[i] * len(lengths[i:i + batch_size]) for i in batches), len(batches)
 
 
-def measure(base_dir: Path, settings: TrainSettings, device: torch.device) -> HostSpeed:
+def measure(base_dir: Path, settings: TrainSettings, device: torch.device, *, trust_remote_code: bool = False) -> HostSpeed:
     """Time the units of `settings`' work with the stage's own functions."""
     from tqdm import tqdm
 
     from specdeploy.data import sharegpt_conversations
     from specdeploy.speculator.common import chat_prompts
-    from specdeploy.speculator.distill import TF_BATCH, generate, read_ids, teacher_forced
+    from specdeploy.speculator.distill import TF_BATCH, generate, readable, teacher_forced
 
     print("specdeploy spec: timing distillation and training on this host to size the preset", file=sys.stderr)
-    model, tokenizer = _base(base_dir, device)
+    model, tokenizer = _base(base_dir, device, trust_remote_code)
     layers = _layers(base_dir)
     with tqdm(total=3, desc="sizing", unit="probe") as bar:
         # a batch of reads, the faster of two (the first pays for allocations)
         conversations = sharegpt_conversations(TF_BATCH, "train", seed=1)
-        reads = [read_ids(tokenizer, c, settings.tf_max_tokens) for c in conversations]
+        reads = readable(tokenizer, conversations, settings.tf_max_tokens)
         read_s = min(_seconds(teacher_forced, model, tokenizer, conversations, layers=layers,
                               max_tokens=settings.tf_max_tokens) for _ in range(2))
         token_s = read_s / _padded(reads, TF_BATCH)[0]
@@ -145,7 +144,7 @@ def measure(base_dir: Path, settings: TrainSettings, device: torch.device) -> Ho
                         for n in (1, 1 + DECODE_STEPS))
         decode_step_s = max(longer - once, 0.0) / DECODE_STEPS
         bar.update(1)
-        train_step_s = _time_training(base_dir, settings, device)
+        train_step_s = _time_training(base_dir, settings, device, trust_remote_code)
         bar.update(1)
     return HostSpeed(token_s, decode_step_s, train_step_s)
 
@@ -156,13 +155,14 @@ def _seconds(function: Any, *args: Any, **kwargs: Any) -> float:
     return time.perf_counter() - start
 
 
-def _base(base_dir: Path, device: torch.device) -> tuple[Any, Any]:
+def _base(base_dir: Path, device: torch.device, trust_remote_code: bool) -> tuple[Any, Any]:
     from specdeploy.attention import use_cpu_sdpa
     from specdeploy.checkpoints import load_tokenizer
     from specdeploy.device import fast_dtype
     from specdeploy.speculator.common import load_base
 
-    return use_cpu_sdpa(load_base(base_dir, fast_dtype(device), device=device)), load_tokenizer(base_dir)
+    model = load_base(base_dir, fast_dtype(device), device=device, trust_remote_code=trust_remote_code)
+    return use_cpu_sdpa(model), load_tokenizer(base_dir)
 
 
 def _layers(base_dir: Path) -> list[int]:
@@ -171,7 +171,7 @@ def _layers(base_dir: Path) -> list[int]:
     return data_layers(json.loads((base_dir / "config.json").read_text())["num_hidden_layers"])
 
 
-def _time_training(base_dir: Path, settings: TrainSettings, device: torch.device) -> float:
+def _time_training(base_dir: Path, settings: TrainSettings, device: torch.device, trust_remote_code: bool) -> float:
     """One training step of `settings`, the mean of TRAIN_STEPS on hidden states of the base's width
     (random: a step's cost does not depend on the values)."""
     from specdeploy.speculator.shards import DistillData
@@ -186,4 +186,5 @@ def _time_training(base_dir: Path, settings: TrainSettings, device: torch.device
         hidden={layer: torch.randn(positions, config["hidden_size"], generator=generator).to(torch.bfloat16)
                 for layer in _layers(base_dir)},
         info={})
-    return fit(base_dir, replace(settings, steps=TRAIN_STEPS), data=data, device=device).stats["seconds"] / TRAIN_STEPS
+    return fit(base_dir, replace(settings, steps=TRAIN_STEPS), data=data, device=device,
+               trust_remote_code=trust_remote_code).stats["seconds"] / TRAIN_STEPS
