@@ -29,7 +29,7 @@ def _build(tmp_path, base: str = "{}") -> BuildDir:
 
 def _host(monkeypatch, train_step_s: float, calls: list | None = None) -> None:
     """A host whose training step takes `train_step_s` (the rest of the work ~0.1 s a unit)."""
-    def measure(base_dir, settings, device):
+    def measure(base_dir, settings, device, **_):
         if calls is not None:
             calls.append(settings)
         return sizing.HostSpeed(token_s=2e-4, decode_step_s=0.1, train_step_s=train_step_s)
@@ -79,7 +79,7 @@ def test_the_choice_is_made_once_per_build_and_per_base(tmp_path, monkeypatch):
 def test_no_measurement_when_both_tiers_train_the_same(tmp_path, monkeypatch):
     trained = []
     monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
-    monkeypatch.setattr(sizing, "measure", lambda *a: pytest.fail("measured although nothing was to choose"))
+    monkeypatch.setattr(sizing, "measure", lambda *a, **_: pytest.fail("measured although nothing was to choose"))
     for kind, preset in (("medusa", "quick"), ("dflash", "quick"), ("eagle", "long")):
         commands.run(_build(tmp_path / kind), kind, preset=preset, device="cpu")
     commands.run(_build(tmp_path / "overridden"), "eagle", device="cpu", steps=3, teacher_forced=16)
@@ -92,7 +92,7 @@ def test_a_module_trained_on_another_tier_is_kept(tmp_path, monkeypatch):
     with build.stage("spec", "spec", asdict(LARGE), consumes=("resolve",)) as tmp:
         (tmp / "module.safetensors").write_text("trained on a fast host")
     monkeypatch.setattr(commands, "train", lambda *a, **_: pytest.fail("trained again"))
-    monkeypatch.setattr(sizing, "measure", lambda *a: pytest.fail("measured although the stage was complete"))
+    monkeypatch.setattr(sizing, "measure", lambda *a, **_: pytest.fail("measured although the stage was complete"))
     assert commands.run(build, "eagle", device="cpu") == build.path("spec")
 
 

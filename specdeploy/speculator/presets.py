@@ -50,7 +50,7 @@ _CPU_QUICK_DATA = dict(num_prompts=64, code_prompts=64, teacher_forced=768, dist
 # 800 steps since 2026-11-26 (1,000 before): on the batch-64 data, `make verify` on a fresh clone measured
 # served acceptance 1.32 (chat 1.44), where 1,000 steps had made 1.30 (chat 1.40); ~60 s less training.
 _CPU_QUICK_EAGLE = dict(steps=800, ttt_steps=1)
-# quick on a CPU without AMX: 256 reads and 400 steps. The float32 path forced on the Xeon
+# quick on a CPU too slow for that (sizing.py): 256 reads and 400 steps. The float32 path forced on the Xeon
 # (SPECDEPLOY_CPU_BF16=0, 2026-11-27, the same float32 data; `spec validate --tree chain --draft-len 1
 # --prompts 24 --max-new-tokens 96`, float32 base, acceptance length over both categories): 768 reads x
 # 800 steps (data 8.3 min, 471 s training) 1.362; 256 x 400 (224 s) 1.317; 256 x 600 (299 s) 1.328;
@@ -59,7 +59,8 @@ _CPU_QUICK_EAGLE = dict(steps=800, ttt_steps=1)
 # 768 x 800 1.355, 256 x 400 1.304. An EPYC with AVX512-BF16 but no AMX distilled the 896 samples in
 # 6m02s and trained 3.06 steps/s (2026-11-26), ~2x and ~1.2x the Xeon's times with AMX: there the 512
 # fewer reads and 400 fewer steps come to ~4.5 min of a `make engine` last measured at 16-18 min (an
-# estimate). A Zen 5 EPYC without AMX (2026-11-27) ran this recipe's spec stage in 234 s, `make engine` 6m34s.
+# estimate). A Zen 5 EPYC without AMX (2026-11-27) ran this recipe's spec stage in 234 s, `make engine` 6m34s;
+# timed (sizing.py), it affords the larger one: spec stage 370 s, `make engine` 9m13s, served acceptance 1.34.
 _CPU_SMALL_QUICK_DATA = dict(_CPU_QUICK_DATA, teacher_forced=256)
 _CPU_SMALL_QUICK_EAGLE = dict(_CPU_QUICK_EAGLE, steps=400)
 # long: ~6x the data (~15-20 min to make once, then cached) with 768 of the base's own answers;

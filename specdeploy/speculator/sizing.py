@@ -2,7 +2,7 @@
 
 On a CPU the quick EAGLE comes in two sizes (presets: `cpu`, 768 read answers and 800 steps;
 `cpu-small`, 256 and 400, ~0.05 less acceptance). A CPU's flags do not tell its speed: a Zen 5 EPYC
-without AMX ran training's bf16 product as fast as a Xeon with AMX, an EPYC of the generation before
+without AMX ran training's bf16 product as fast as a Xeon with AMX, an older EPYC with AVX512-BF16
 distilled at half the Xeon's speed (docs/measurements.md, 2026-11-26 and 2026-11-27). So the stage
 times the `cpu` recipe's work in miniature on the base itself (a distillation batch's prefill and
 decode steps, one batch of read answers, a few training steps: the functions the stage runs) and
@@ -33,9 +33,10 @@ from specdeploy.speculator.train import TrainSettings
 # The spec stage's budget on a CPU, in predicted seconds: `make engine` <= 12 min on a CPU with native
 # bf16 (issue #36), of which the other stages and the venv took 2.7-4.2 min (2026-11-27: a Zen 5 EPYC
 # 160 s, a Xeon with AMX 250 s). The prediction leaves out loading, writing shards and the export,
-# and decodes at a short context: on the Zen 5 EPYC it said 205 s for a `cpu-small` stage of 234 s.
-# The `cpu` recipe's stage took 380-444 s on that Xeon: ~335-390 s predicted, within the budget; the
-# EPYC of 2026-11-26 took ~620 s for its work (16-18 min builds): ~550 s predicted, beyond it.
+# and decodes at a short context: on the Zen 5 EPYC it said 335 s for a `cpu` stage of 370 s. The `cpu`
+# recipe's stage took 380-444 s on that Xeon (~345-400 s predicted at that ratio: within the budget);
+# the older EPYC's data and 800 steps come to ~620 s from its 2026-11-26 times (~560 s: beyond it).
+# Estimates: the probe has run on the Zen 5 EPYC only.
 SPEC_BUDGET_S = 420.0
 SIZING_FILE = ".spec.sizing.json"
 DECODE_STEPS = 8  # decode steps timed at a distillation batch's size
