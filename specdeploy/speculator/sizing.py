@@ -39,7 +39,7 @@ from specdeploy.speculator.train import TrainSettings
 # Estimates: the probe has run on the Zen 5 EPYC only.
 SPEC_BUDGET_S = 420.0
 SIZING_FILE = ".spec.sizing.json"
-DECODE_STEPS = 8  # decode steps timed at a distillation batch's size
+DECODE_STEPS = 16  # decode steps timed at a distillation batch's size
 TRAIN_STEPS = 12  # training steps timed, the first (slower) one among them: an upper bound
 
 
@@ -144,6 +144,7 @@ def measure(base_dir: Path, settings: TrainSettings, device: torch.device, *, tr
         once, longer = (_seconds(generate, model, tokenizer, short, max_new_tokens=n, layers=layers, batch_size=len(short))
                         for n in (1, 1 + DECODE_STEPS))
         decode_step_s = max(longer - once, 0.0) / DECODE_STEPS
+        del model  # training loads its own copy of the base: one in memory at a time
         bar.update(1)
         train_step_s = _time_training(base_dir, settings, device, trust_remote_code)
         bar.update(1)
