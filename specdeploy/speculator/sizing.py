@@ -4,9 +4,10 @@ On a CPU the quick EAGLE comes in two sizes (presets: `cpu`, 768 read answers an
 `cpu-small`, 256 and 400, ~0.05 less acceptance). A CPU's flags do not tell its speed: a Zen 5 EPYC
 without AMX ran training's bf16 product as fast as a Xeon with AMX, an older EPYC with AVX512-BF16
 distilled at half the Xeon's speed (docs/measurements.md, 2026-11-26 and 2026-11-27). So the stage
-times the `cpu` recipe's work in miniature on the base itself (a distillation batch's prefill and
-decode steps, one batch of read answers, a few training steps: the functions the stage runs) and
-takes the larger recipe when its predicted time fits SPEC_BUDGET_S.
+times units of the `cpu` recipe's work on the base itself with the functions the stage runs (one
+batch of read answers: a forward's cost per position, the prefills' too; decode steps at the
+distillation batch's size; a few training steps), counts that recipe's units from its own prompts
+and answers, and takes it when the predicted time fits SPEC_BUDGET_S.
 
 Decided once per build: the choice and what it measured are kept in build/<name>/.spec.sizing.json
 (a rerun, or a resumed run, reads it back) and in the spec stage's manifest record. The settings it
