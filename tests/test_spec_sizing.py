@@ -74,6 +74,8 @@ def test_the_choice_is_made_once_per_build_and_per_base(tmp_path, monkeypatch):
         (tmp / "config.json").write_text('{"another": "base"}')
     commands.run(build, "eagle", device="cpu")
     assert trained[-1] == LARGE and len(calls) == 2
+    commands.run(build, "medusa", device="cpu")  # the same build, a kind with one quick recipe
+    assert trained[-1].kind == "medusa" and "sizing" not in build.record("spec")
 
 
 def test_no_measurement_when_both_tiers_train_the_same(tmp_path, monkeypatch):

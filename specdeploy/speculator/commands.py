@@ -22,7 +22,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.speculator.parallel import setup
 from specdeploy.speculator.presets import PRESETS, TABLE, gpu_tier, settings_for
-from specdeploy.speculator.sizing import cpu_tier, recorded
+from specdeploy.speculator.sizing import cpu_tier
 from specdeploy.speculator.train import TrainSettings, train
 
 STAGE = "spec"
@@ -39,9 +39,9 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
     if _complete(build, spec, preset, overrides):
         return build.path(OUT)
     if parallel.device.type == "cuda":
-        tier = gpu_tier(base_dir)
+        tier, sizing = gpu_tier(base_dir), None
     else:
-        tier = cpu_tier(build, spec, preset, overrides, parallel, trust_remote_code=trust_remote_code)
+        tier, sizing = cpu_tier(build, spec, preset, overrides, parallel, trust_remote_code=trust_remote_code)
     settings = settings_for(spec, preset, tier=tier, **overrides)
     if parallel.is_main:
         print(f"specdeploy spec: {preset} preset of the {tier} tier: {settings.steps} steps on {settings.num_prompts} "
@@ -50,7 +50,7 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
     train_args = dict(ckpt_dir=build.root / CKPT, parallel=parallel, trust_remote_code=trust_remote_code)
     if parallel.is_main:
         with build.stage(STAGE, OUT, asdict(settings), consumes=("resolve",), device=where,
-                         notes={"sizing": sizing} if (sizing := recorded(build)) else None) as tmp:
+                         notes={"sizing": sizing} if sizing else None) as tmp:
             train(base_dir, tmp, settings, **train_args)
     else:
         train(base_dir, None, settings, **train_args)  # only rank 0 writes

@@ -69,12 +69,13 @@ class Work:
 
 
 def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel, *,
-             trust_remote_code: bool = False) -> str:
-    """'cpu' or 'cpu-small' for this build on this CPU: the build's recorded choice, else measured
-    (on rank 0; the other ranks read its choice)."""
+             trust_remote_code: bool = False) -> tuple[str, dict[str, Any] | None]:
+    """'cpu' or 'cpu-small' for this build on this CPU and the sizing it rests on: the build's
+    recorded choice, else measured (on rank 0; the other ranks read its choice). No sizing where
+    both tiers train the same."""
     large, small = (settings_for(kind, preset, tier=tier, **overrides) for tier in ("cpu", "cpu-small"))
     if large == small:
-        return "cpu"  # nothing to choose
+        return "cpu", None
     if parallel.is_main and recorded(build) is None:
         from specdeploy.checkpoints import load_tokenizer
 
@@ -89,7 +90,8 @@ def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any],
             "tier": tier, "predicted_s": round(predicted, 1), "budget_s": SPEC_BUDGET_S, "speed": asdict(speed),
             "work": asdict(work), "base": build.fingerprint("resolve")})
     parallel.barrier()  # rank 0 has written the choice
-    return recorded(build)["tier"]
+    sizing = recorded(build)
+    return sizing["tier"], sizing
 
 
 def recorded(build: BuildDir) -> dict[str, Any] | None:
