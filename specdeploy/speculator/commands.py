@@ -180,7 +180,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     config = json.loads((out / "spec_config.json").read_text())
     stats = config["training"]
-    print(f"spec {config['kind']}: {stats['steps']} steps in {stats['seconds']} s on {stats['tokens']} tokens, "
+    print(f"spec {config['kind']}: {stats['steps']} steps in {stats['seconds']:.1f} s on {stats['tokens']} tokens, "
           f"loss {stats['first_loss']} -> {stats['final_loss']}, draft accuracy {stats['final_acc']} -> {out}")
     return 0
 
