@@ -390,6 +390,46 @@ def test_start_together_serves_both_and_stops_both_when_one_fails(tmp_path):
     assert not any(shm_regions(server.shm_prefix) for server in servers.values())
 
 
+# A stand-in for the binary: its first start prints `message` and aborts (as the bundled one's gRPC
+# poller once did), later starts answer the health check on --http-port.
+FLAKY_BINARY = """#!{python}
+import http.server, os, pathlib, sys
+starts = pathlib.Path(__file__).with_suffix(".starts")
+starts.write_text(starts.read_text() + "x" if starts.exists() else "x")
+if len(starts.read_text()) == 1:
+    print({message!r}, flush=True)
+    os.abort()
+
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+port = int(sys.argv[sys.argv.index("--http-port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Ready).serve_forever()
+"""
+POLLER_ABORT = ("E1127 15:49:20.807247 18148 ev_epoll1_linux.cc:373] (event_engine) Epoll1Poller:0x55e45e365380 "
+                "encountered epoll_wait error: Bad file descriptor")
+
+
+@pytest.mark.parametrize("message, comes_up", [(POLLER_ABORT, True), ("terminate called after throwing", False)])
+def test_a_start_aborted_in_grpcs_poller_is_made_once_more(tmp_path, capsys, message, comes_up):
+    """That abort (seen once, two servers starting side by side) gets a second start; any other is final."""
+    binary = tmp_path / "tritonserver"
+    binary.write_text(FLAKY_BINARY.format(python=sys.executable, message=message))
+    binary.chmod(0o755)
+    server = TritonServer(_echo_repo(tmp_path / "repo"), tritonserver=binary, ready_timeout=30)
+    starts = tmp_path / "tritonserver.starts"
+    if comes_up:
+        with server:
+            assert server.ready() and starts.read_text() == "xx"
+        assert "aborted in gRPC's poller" in capsys.readouterr().err
+    else:
+        with pytest.raises(SpecDeployError, match="exited with code -6"):
+            server.start()
+        assert starts.read_text() == "x"
+
+
 def test_bundled_tritonserver_is_found_without_importing_pytriton():
     """pytriton's __init__ imports its own client, which needs gevent; an environment without it
     (NVIDIA's CUDA images, where the wheel is brought in with --no-deps) must still find the binary."""
