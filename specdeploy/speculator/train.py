@@ -342,8 +342,8 @@ def _stats(history: list, steps: int, seconds: float, data: Data, settings: Trai
     head = history[: max(1, min(10, len(history) // 5))]
     tail = history[-max(1, min(10, len(history) // 5)):]
     acc_tail = [round(sum(r["acc"][i] for r in tail) / len(tail), 3) for i in range(len(tail[0]["acc"]))] if tail else []
-    return {
-        "steps": steps, "seconds": round(seconds, 3),  # ms: the sizing probe times a dozen steps "first_loss": mean(head, "loss"), "final_loss": mean(tail, "loss"),
+    return {  # seconds to the ms: the sizing probe times a dozen steps
+        "steps": steps, "seconds": round(seconds, 3), "first_loss": mean(head, "loss"), "final_loss": mean(tail, "loss"),
         "final_acc": acc_tail, "lr": settings.lr, "tokens": data.num_tokens,
         "distill": data.info, "settings": asdict(settings),
     }
