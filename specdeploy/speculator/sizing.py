@@ -34,9 +34,9 @@ from specdeploy.speculator.train import TrainSettings
 # The spec stage's budget on a CPU, in predicted seconds: `make engine` <= 12 min on a CPU with native
 # bf16 (issue #36), of which the other stages and the venv took 2.7-4.2 min (2026-11-27: a Zen 5 EPYC
 # 160 s, a Xeon with AMX 250 s). The prediction leaves out loading, writing shards and the export,
-# and decodes at a short context: on the Zen 5 EPYC it said 335 s for a `cpu` stage of 370 s (SmolLM2-135M)
+# and decodes at a short context: on the Zen 5 EPYC it said 298-335 s for `cpu` stages of 370-375 s (SmolLM2-135M)
 # and 342 s for a `cpu-small` stage of 401 s (Qwen2.5-Coder-0.5B, whose `cpu` recipe it put at 665 s). The `cpu`
-# recipe's stage took 380-444 s on that Xeon (~345-400 s predicted at that ratio: within the budget);
+# recipe's stage took 380-444 s on that Xeon (~305-405 s predicted at those ratios: within the budget);
 # the older EPYC's data and 800 steps come to ~620 s from its 2026-11-26 times (~560 s: beyond it).
 # Estimates: the probe has run on the Zen 5 EPYC only.
 SPEC_BUDGET_S = 420.0
