@@ -238,17 +238,24 @@ def distill(
     return ShardedData([job.folder for job in jobs])
 
 
+def distillation_model(model_dir: Path, dtype: str, *, device: torch.device, device_map: str | None = None,
+                       trust_remote_code: bool = False) -> Any:
+    """The base as distillation runs it."""
+    from specdeploy.attention import use_cpu_sdpa
+
+    # padded batches attend with a mask: read grouped K/V in place (the same bits, ~20% less time here)
+    return use_cpu_sdpa(load_base(model_dir, dtype, device=device, device_map=device_map,
+                                  trust_remote_code=trust_remote_code))
+
+
 def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device, device_map: str | None,
           trust_remote_code: bool, batch_size: int, max_new_tokens: int, layers: list[int], tf_max_tokens: int) -> None:
     """Load the base once and write each shard as soon as it is made."""
     from tqdm import tqdm
 
-    from specdeploy.attention import use_cpu_sdpa
     from specdeploy.checkpoints import load_tokenizer
 
-    # padded batches attend with a mask: read grouped K/V in place (the same bits, ~20% less time here)
-    model = use_cpu_sdpa(load_base(model_dir, dtype, device=device, device_map=device_map,
-                                   trust_remote_code=trust_remote_code))
+    model = distillation_model(model_dir, dtype, device=device, device_map=device_map, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(model_dir)
     bar = tqdm(total=sum(len(job.items) for job in jobs), desc="self-distillation", unit="sample")
     for job in jobs:

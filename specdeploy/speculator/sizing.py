@@ -162,13 +162,12 @@ def _seconds(function: Any, *args: Any, **kwargs: Any) -> float:
 
 
 def _base(base_dir: Path, device: torch.device, trust_remote_code: bool) -> tuple[Any, Any]:
-    from specdeploy.attention import use_cpu_sdpa
     from specdeploy.checkpoints import load_tokenizer
     from specdeploy.device import fast_dtype
-    from specdeploy.speculator.common import load_base
+    from specdeploy.speculator.distill import distillation_model
 
-    model = load_base(base_dir, fast_dtype(device), device=device, trust_remote_code=trust_remote_code)
-    return use_cpu_sdpa(model), load_tokenizer(base_dir)
+    return (distillation_model(base_dir, fast_dtype(device), device=device, trust_remote_code=trust_remote_code),
+            load_tokenizer(base_dir))
 
 
 def _layers(base_dir: Path) -> list[int]:
