@@ -35,6 +35,7 @@ from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import stage
 from specdeploy.triton.serve import TritonServer
 from tests.overlap import until_overlapping
+from tests.tiny import without_eos
 
 pytestmark = pytest.mark.server
 
@@ -64,8 +65,11 @@ def _build(root: Path, model: Path, decoupled: bool) -> Path:
 
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
+    """The tiny model without an EOS, so that a request of 200 tokens with another end_id runs long
+    enough for a second to arrive while it does, on any CPU (`without_eos`)."""
     root = tmp_path_factory.mktemp("dropin")
-    return {mode: _build(root / mode, tiny_llama_dir, mode == "streaming") / "cpu" for mode in ("streaming", "plain")}
+    model = without_eos(tiny_llama_dir, root / "model")
+    return {mode: _build(root / mode, model, mode == "streaming") / "cpu" for mode in ("streaming", "plain")}
 
 
 def _serve(repo: Path):
@@ -312,15 +316,15 @@ def test_plain_infer_requests_get_one_answer(plain_server, decoder, greedy):
     assert answer.as_numpy("output_ids")[0][0].tolist() == ids + greedy
 
 
-def _one_after_another(server: TritonServer, ids: list[int]) -> tuple[dict, dict]:
-    """Two requests, the second sent 50 ms after the first (so that Triton hands it to its own
-    execute() call, not to the first's batch); the server's timestamps of each, earlier arrival first."""
+def _one_after_another(server: TritonServer, ids: list[int], end_id: int) -> tuple[dict, dict]:
+    """Two requests of 200 tokens, the second sent 50 ms after the first (so that Triton hands it to
+    its own execute() call, not to the first's batch); the server's timestamps of each, earlier arrival first."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     answers: queue.Queue = queue.Queue()
+    request = ids_request(ids, 200, end_id=np.int32(end_id), return_perf_metrics=np.bool_(True))
     for pause in (0.0, 0.05):
         time.sleep(pause)
-        client.async_infer("tensorrt_llm", tensors(**ids_request(ids, 200, return_perf_metrics=np.bool_(True))),
-                           callback=lambda result, error: answers.put(error or result))
+        client.async_infer("tensorrt_llm", tensors(**request), callback=lambda result, error: answers.put(error or result))
     times = [{name: int(answer.as_numpy(name)[0][0]) for name in PERF if name.endswith("_ns")}
              for answer in (answers.get(timeout=300) for _ in range(2))]
     first, second = sorted(times, key=lambda t: t["arrival_time_ns"])
@@ -331,7 +335,8 @@ def test_plain_infer_requests_are_batched_in_flight(plain_server, decoder):
     """execute() returns at once and answers through the response sender: a request that arrives
     while another is generating is scheduled before that one ends (a blocking execute() would take
     the second only once the first ended: no overlap in any try)."""
-    first, second = until_overlapping(lambda: _one_after_another(plain_server, prompt_ids(decoder)))
+    end_id = decoder.tokenizer.convert_tokens_to_ids("<|im_end|>")  # not in the answer's first 200 tokens (bf16, float32)
+    first, second = until_overlapping(lambda: _one_after_another(plain_server, prompt_ids(decoder), end_id))
     assert second["first_scheduled_time_ns"] < first["last_token_time_ns"]
 
 
