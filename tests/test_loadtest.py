@@ -16,7 +16,7 @@ from specdeploy import resolve
 from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.loadtest.command import parse_levels
-from specdeploy.loadtest.display import control_cell, noise_summary, speedup_cell
+from specdeploy.loadtest.display import control_cell, noise_summary, speedup_cell, suggestion
 from specdeploy.loadtest.figures import chunk_tokens, count_tokens, inter_token_gaps
 from specdeploy.loadtest.near_ties import disputed_outputs, judge_near_ties, verdict
 from specdeploy.loadtest.report import AR, CONTROL, SPEC, build_report
@@ -102,6 +102,35 @@ def test_a_level_stops_paying_only_where_speculation_lost_in_every_pass(tiny_tok
     report = build_report(one_pass, tokenizer, [1, 2, 4], "exact")
     assert report["break_even_concurrency"] == 2 and report["spec_off_above"] == 1
     assert speedup_cell(report["levels"][1]) == "0.87x"
+
+
+def test_levels_above_the_deployments_spec_off_above_say_nothing_of_speculating(tiny_tokenizer_dir):
+    """Above its spec_off_above the deployment decodes plainly: a loss there (noise, or a round's
+    bookkeeping) must not move the suggestion, nor a gain there lift the threshold."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = "def add(a, b):\n    return a + b\n"
+
+    def level(walls: list[float]) -> tuple[list[Timed], list[float]]:  # 2 requests per pass
+        return [Timed(0, 0.0, latency_s=0.5, chunk_s=[0.1], chunks=[text]) for _ in range(2 * len(walls))], walls
+
+    # speculation paid at 1 and 2; at 4 it lost in both passes, at 8 it won one (a float32 sweep, 2026-11-27)
+    results = {SPEC: {1: level([1.0, 1.0]), 2: level([1.0, 1.0]), 4: level([1.02, 1.12]), 8: level([0.91, 1.08])},
+               AR: {1: level([1.2, 1.2]), 2: level([1.2, 1.2]), 4: level([1.0, 1.0]), 8: level([1.0, 1.0])}}
+    alone = build_report(results, tokenizer, [1, 2, 4, 8], "exact")
+    assert alone["break_even_concurrency"] is None and alone["spec_off_above"] is None  # 8 paid: 4's loss is noise
+    assert "no spec_off_above" in suggestion(alone)
+    report = build_report(results, tokenizer, [1, 2, 4, 8], "exact", spec_off_above=2)
+    assert report["break_even_concurrency"] is None and report["spec_off_above"] == 2
+    assert report["deployment_spec_off_above"] == 2 and "keep it" in suggestion(report)
+    # with the threshold at 4, 4 speculated and lost in both passes: a lower threshold
+    report = build_report(results, tokenizer, [1, 2, 4, 8], "exact", spec_off_above=4)
+    assert report["break_even_concurrency"] == 4 and report["spec_off_above"] == 2
+    assert "suggested: spec_off_above 2" in suggestion(report)
+    # nothing swept at or below the threshold: nothing to suggest
+    above = {arm: {n: by_level[n] for n in (4, 8)} for arm, by_level in results.items()}
+    report = build_report(above, tokenizer, [4, 8], "exact", spec_off_above=2)
+    assert report["break_even_concurrency"] is None and report["spec_off_above"] == 2
+    assert "suggests nothing" in suggestion(report)
 
 
 def test_the_control_sweep_gives_each_level_a_noise_floor(tiny_tokenizer_dir):

@@ -92,11 +92,13 @@ def main(args: argparse.Namespace) -> int:
     Console(width=None if sys.stdout.isatty() else 160).print(table(report, title))
     curve = [e["speedup"] for e in report["levels"]]
     if all(s is not None for s in curve):
-        point = report["break_even_concurrency"]
+        point, current = report["break_even_concurrency"], report["deployment_spec_off_above"]
+        plain = "" if current is None or levels[-1] <= current else (
+            f"; above {current}, the deployment's spec_off_above, batches decode plainly and do not count")
         print(f"break-even concurrency: {point if point is not None else 'none in the sweep'} "
               f"(speed-up {' '.join(f'{s:.2f}' for s in curve)} at concurrency {' '.join(map(str, levels))}; "
-              "speculation stops paying where it lost in every pass at that level and every level above)")
-        print(suggestion(report["spec_off_above"]))
+              f"speculation stops paying where it lost in every pass at that level and every level above{plain})")
+        print(suggestion(report))
     if report["control"]:
         print(noise_summary(report))
     print(f"ITL: {DEFINITIONS['itl_s']}")

@@ -95,9 +95,17 @@ def noise_summary(report: dict[str, Any]) -> str:
             "differed by on this host.")
 
 
-def suggestion(off_above: int | None) -> str:
-    if off_above is None:
-        return "speculation paid at every level swept: keep the deployment as it is (no spec_off_above)"
+def suggestion(report: dict) -> str:
+    """What the sweep says of the deployment's spec_off_above: keep it, or the value it suggests."""
+    off_above, current = report["spec_off_above"], report["deployment_spec_off_above"]
+    if off_above == current:
+        if current is None:
+            return "speculation paid at every level swept: keep the deployment as it is (no spec_off_above)"
+        if not any(entry["concurrency"] <= current for entry in report["levels"]):
+            return (f"every level swept is above the deployment's spec_off_above {current}: speculation stayed off, "
+                    "so the sweep suggests nothing (sweep lower levels too)")
+        return (f"speculation paid at every level up to the deployment's spec_off_above {current}: keep it (above it "
+                "batches decode plainly, so those levels cannot tell whether speculating there would pay)")
     why = ("speculation did not pay even alone: spec_off_above 0 serves plainly until the module accepts more"
            if off_above == 0 else f"batches of more than {off_above} sequences then decode plainly")
     return (f"suggested: spec_off_above {off_above} ({why}); package with --spec-off-above {off_above}, "

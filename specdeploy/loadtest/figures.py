@@ -27,11 +27,14 @@ DEFINITIONS = {
     "speedup": "speculative output tokens/s / autoregressive output tokens/s at the same concurrency",
     "pass_speedups": "the same ratio in each pass (the two arms ran back to back in every pass)",
     "break_even_concurrency": ("the level after the last one where speculation paid in some pass: from there on it lost in "
-                               "every pass (one pass's loss is within this machine's noise, and a losing level below a "
-                               "paying one too); null: the last level paid"),
+                               "every pass (one pass's loss is within a host's noise, and a losing level below a "
+                               "paying one too); null: the last level paid. Levels above deployment_spec_off_above "
+                               "do not count"),
     "spec_off_above": ("the deployment setting the curve suggests: the last level before break-even (0 when speculation "
-                       "does not pay at the first level; null when it pays at every level): larger in-flight batches "
-                       "then decode plainly"),
+                       "does not pay at the first level; when it pays at every level it ran at, the deployment's own: "
+                       "null, or deployment_spec_off_above): larger in-flight batches then decode plainly"),
+    "deployment_spec_off_above": ("the served deployment's spec_off_above (null: it always speculates); levels above it "
+                                  "decode plainly, so break-even and the suggestion count only the levels at or below it"),
 }
 
 

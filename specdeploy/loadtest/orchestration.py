@@ -63,7 +63,7 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
         control = sweep({CONTROL: urls[CONTROL], AR: urls[AR]}, plan, solo=False) if CONTROL in urls else None
         stack.close()  # the servers stop before the judge loads the reference
         report = {"settings": settings, "dtype": deployment["dtype"],
-                  **build_report(results, tokenizer, levels, rule, judge, control)}
+                  **build_report(results, tokenizer, levels, rule, judge, control, deployment.get("spec_off_above"))}
         atomic_write_json(tmp / "loadtest.json", report)
         plot(report, tmp / "loadtest.png")
     return report

@@ -20,10 +20,12 @@ Judge = Callable[[list[tuple[int, str]]], dict[str, Any]]
 
 
 def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str, judge: Judge | None = None,
-                 control: Results | None = None) -> dict[str, Any]:
+                 control: Results | None = None, spec_off_above: int | None = None) -> dict[str, Any]:
     """Rows, per-level figures, the speed-up curve, break-even, pass/fail. Outside the exact rule,
     `judge` rules on the outputs that differ from their solo run (judge_near_ties). `control`: the
-    A/A sweep (CONTROL and AR), whose outputs are held to the same rule."""
+    A/A sweep (CONTROL and AR), whose outputs are held to the same rule. `spec_off_above`: the
+    deployment's; at the levels above it batches decode plainly, so break-even and the suggestion
+    come from the levels at or below it (the others say nothing of speculating there)."""
     rows = _rows(results, tokenizer)
     reference = list(results)[-1]  # the autoregressive arm, when there is one
     solo = rows[reference][min(rows[reference])]  # concurrency 1, or the solo pass (key 0)
@@ -43,6 +45,9 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
         if pair["noise_floor"] is not None and entry["pass_speedups"] is not None:
             entry["slower_than_noise"] = sum(s < pair["noise_floor"] for s in entry["pass_speedups"])
     best_pass = [None if e["pass_speedups"] is None else max(e["pass_speedups"]) for e in report_levels]
+    speculating = [(level, best) for level, best in zip(levels, best_pass) if spec_off_above is None or level <= spec_off_above]
+    swept, paid = [level for level, _ in speculating], [best for _, best in speculating]
+    suggested = suggested_spec_off_above(swept, paid)
     figures = [entry[arm] for entry in report_levels for arm in results] + [pair[arm] for pair in controls for arm in (CONTROL, AR)]
     solo_errors = sum(r["error"] is not None for r in rows[reference].get(0, []))  # the solo pass, when there was one
     errors = sum(f["errors"] for f in figures) + solo_errors
@@ -52,8 +57,9 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
         "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
         "solo_reference": rows[reference].get(0),
         # speculation stops paying where it lost in every pass there and at every level above
-        "break_even_concurrency": break_even(levels, best_pass),
-        "spec_off_above": suggested_spec_off_above(levels, best_pass),
+        "break_even_concurrency": break_even(swept, paid),
+        "deployment_spec_off_above": spec_off_above,
+        "spec_off_above": spec_off_above if suggested is None else suggested,
         "errors": errors, "mismatches": mismatches, "near_tie": near_tie, "control": controls or None,
         "ok": errors == 0 and (mismatches == 0 or rule != "exact") and (near_tie is None or near_tie["ok"]),
     }
