@@ -95,7 +95,7 @@ def noise_summary(report: dict[str, Any]) -> str:
             "differed by on this host.")
 
 
-def suggestion(report: dict) -> str:
+def suggestion(report: dict[str, Any]) -> str:
     """What the sweep says of the deployment's spec_off_above: keep it, or the value it suggests."""
     off_above, current = report["spec_off_above"], report["deployment_spec_off_above"]
     if off_above == current:
