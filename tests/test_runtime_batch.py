@@ -203,6 +203,19 @@ def test_medusa_drafts_a_batch_as_each_request_alone(target64):
     assert len({tuple(t.tokens[:2].tolist()) for t in batched[:3]}) == 3  # the rows' own drafts, not one row's
 
 
+def test_a_request_with_its_own_proposer_drafts_beside_the_deployments(target64, prompts):
+    """A request may bring its own proposer (a client's draft tokens): the rows of each proposer
+    class draft together, so the deployment's Medusa heads do not draft (nothing) for it."""
+    mine = BatchRequest(prompts[2], SamplingParams(max_new_tokens=NEW))
+    truth = prompts[2] + solo(target64, mine, None)
+    mine.proposer = OracleTreeProposer(truth, target64.config.vocab_size)
+    batcher = InflightBatcher(target64, make_proposer("medusa", target64, None).fork, draft_len=4, adaptive=False)
+    seqs, peak, _ = run(batcher, [(0, BatchRequest(prompts[0], SamplingParams(max_new_tokens=NEW))), (0, mine)])
+    assert peak == 2 and seqs[1].result.token_ids == truth[len(prompts[2]):]
+    assert seqs[1].result.metrics.accepted_draft_tokens > 0  # its own drafts reached the verify
+    assert seqs[0].result.metrics.draft_tokens > 0  # and Medusa drafted for the other
+
+
 # ---------------------------------------------------------------------------------- leaving early
 
 
@@ -281,6 +294,34 @@ def test_a_failing_proposer_ends_only_its_sequence(target64, prompts):
     assert seqs[0].error is None and seqs[2].error is None
 
 
+class UpdateFailsOnPrompt(FailsOnPrompt):
+    """Drafts as its inner proposer; taking in one request's verification result raises."""
+
+    def fork(self):
+        return UpdateFailsOnPrompt(self.inner.fork(), self.bad_prompt)
+
+    def propose(self, state, max_tokens):
+        self.tokens = state.tokens[0].tolist()
+        return self.inner.propose(state, max_tokens)
+
+    def update(self, accepted, proposed):
+        if self.tokens[: len(self.bad_prompt)] == self.bad_prompt and len(self.tokens) > len(self.bad_prompt) + 4:
+            raise RuntimeError("the update failed")
+        self.inner.update(accepted, proposed)
+
+
+def test_a_row_failing_after_the_forward_ends_only_its_sequence(target64, prompts):
+    """A failure while a row takes in the round (its proposer's update, its sampling) comes after
+    the forward appended the round's columns: that row ends with the error, the others go on."""
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=NEW)) for i in (0, 2, 3)]
+    expected = [solo(target64, request, None) for request in requests]
+    base = UpdateFailsOnPrompt(make_proposer("eagle-chain", target64, None), prompts[2])
+    seqs, _, _ = run(InflightBatcher(target64, base.fork, draft_len=4), [(0, request) for request in requests])
+    assert str(seqs[1].error) == "the update failed" and seqs[1].result.finish_reason == "cancelled"
+    assert [seqs[i].result.token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert seqs[0].error is None and seqs[2].error is None
+
+
 # ---------------------------------------------------------------------------------- spec_off_above
 
 
@@ -342,6 +383,8 @@ def test_add_validates_at_once(target64):
         (BatchRequest(list(range(context)), SamplingParams()), "context is 256", "shorten the prompt"),
         (BatchRequest([1, 2], SamplingParams(max_new_tokens=0)), "max_new_tokens", "at least one"),
         (BatchRequest([1, 2], SamplingParams(stop_strings=("x",))), "need the tokenizer", "decode="),
+        (BatchRequest([1, 2], SamplingParams(stop_strings=("",))), "a stop string is empty", "leave it out"),
+        (BatchRequest([1, 2], SamplingParams(temperature=float("nan"))), "temperature must be a finite", "greedy"),
     ]
     for request, message, hint in cases:
         with pytest.raises(SpecDeployError, match=message) as err:

@@ -203,3 +203,13 @@ def test_top_k_keeps_exactly_k_tokens_at_a_tie():
     assert (kept > 0).sum(dim=-1).tolist() == [2, 2]  # not every token tied at the 2nd logit
     assert kept[0, 0] > kept[0, 1:].max() and kept[0, 4] == 0
     torch.testing.assert_close(kept.sum(dim=-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (2, 1.0), (0, 0.9)])
+def test_a_tiny_temperature_is_near_greedy_not_nan(top_k, top_p):
+    """Divided by 1e-38, logits overflow to inf; the warped distribution must still be one."""
+    logits = torch.tensor([[2.0, 5.0, 1.0, 4.0], [7.0, 7.0, -3.0, 0.0]])
+    probs = warp(logits, SamplingParams(temperature=1e-38, top_k=top_k, top_p=top_p))
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs[0], torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(probs[1, :2].sum(), torch.tensor(1.0))  # a tie at the top keeps both

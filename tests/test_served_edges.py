@@ -27,6 +27,7 @@ from specdeploy import resolve
 from specdeploy.client import Request, TritonLLMClient
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
+from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import stage
@@ -167,7 +168,12 @@ def test_a_sliding_window_model_is_refused_at_load(tmp_path, tiny_tokenizer_dir)
     with pytest.raises(SpecDeployError, match=r"sliding-window attention \(sliding_window=16, context 256\)"):
         load_decoder(deployment)
     deployment.write_text(json.dumps({"model_dir": "mistral", "device": "cpu", "spec": {"kind": "none"}}))
-    assert load_decoder(deployment).proposer is None  # plain decoding stays possible
+    decoder = load_decoder(deployment)
+    assert decoder.proposer is None  # plain decoding stays possible, one request at a time
+    # serving batches requests, which a sliding-window cache cannot do: refused when the batcher is made
+    with pytest.raises(SpecDeployError, match=r"does not support for in-flight batching") as err:
+        InflightBatcher(decoder.target, None)
+    assert "generate --spec none" in err.value.hint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +187,7 @@ BAD_GRPC = [
     ({"end_id": 10_000_000}, "end_id 10000000 is outside the model's vocabulary"),
     ({"end_id": -5}, "end_id -5 is outside the model's vocabulary"),
     ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words is not valid UTF-8"),
+    ({"stop_words": np.array([[b"</s>:"]], dtype=object)}, "stop word '</s>:' mixes a special token with text"),
 ]
 
 

@@ -33,7 +33,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.runtime import batch_cache
 from specdeploy.runtime.batch_requests import BatchRequest, BatchStats, Row, Sequence
 from specdeploy.runtime.decoding import Hidden, _prompt_tensor, eos_token_ids, prefill, prune
-from specdeploy.runtime.kv_cache import crop
+from specdeploy.runtime.kv_cache import check_full_attention, crop
 from specdeploy.runtime.sampling import next_token
 from specdeploy.runtime.types import DraftTree, Proposer, model_device
 from specdeploy.runtime.verify import accept, ancestry
@@ -56,6 +56,9 @@ class InflightBatcher:
         if spec_off_above is not None and spec_off_above < 0:
             raise SpecDeployError(f"spec_off_above must be >= 0, got {spec_off_above}",
                                   hint="leave it unset to always speculate, 0 never speculates")
+        check_full_attention(target.config, "in-flight batching (serving, the load plan)",
+                             hint="serve it with TensorRT-LLM on a GPU host; in-process, `specdeploy generate --spec none` "
+                                  "decodes it one request at a time")
         self.target, self.proposer_factory = target, proposer_factory
         self.draft_len, self.max_batch_size, self.spec_off_above = draft_len, max_batch_size, spec_off_above
         self.decode, self.adaptive = decode, adaptive
@@ -185,7 +188,7 @@ class InflightBatcher:
             return
         self.stats.rounds += 1
         seconds = time.perf_counter() - start
-        kept = [self._advance(i, row, tree, logits, hidden, seconds if speculate else None)
+        kept = [self._advance_or_finish(i, row, tree, logits, hidden, seconds if speculate else None)
                 for i, (row, tree) in enumerate(zip(rows, trees))]
         self._valid = torch.cat([self._valid, torch.tensor(kept, dtype=torch.bool, device=self.device)], dim=1)
 
@@ -250,16 +253,19 @@ class InflightBatcher:
         proposer can (`Proposer.propose_batch`)."""
         lengths = [row.controller.next_length() if speculate and row.proposer is not None and self._in_step(row) else 0
                    for row in rows]
-        drafting = [row for row, length in zip(rows, lengths) if length]
-        asks = [length if row.chain else row.max_draft for row, length in zip(rows, lengths) if length]
+        asks = {row: length if row.chain else row.max_draft for row, length in zip(rows, lengths) if length}
+        # rows of one proposer class draft together (a request may bring its own proposer: a client's draft)
+        groups: dict[type, list[Row]] = {}
+        for row in asks:
+            groups.setdefault(type(row.proposer), []).append(row)
         trees = {row: DraftTree.empty(self.device) for row in rows}
-        if drafting:
+        for group in groups.values():
             try:
-                drafts = drafting[0].proposer.propose_batch([row.proposer for row in drafting],
-                                                            [row.state() for row in drafting], asks)
+                drafts = group[0].proposer.propose_batch([row.proposer for row in group], [row.state() for row in group],
+                                                         [asks[row] for row in group])
             except Exception:  # one row's proposer failed: draft row by row to find whose
-                drafts = [self._propose_alone(row, n) for row, n in zip(drafting, asks)]
-            for row, tree in zip(drafting, drafts):
+                drafts = [self._propose_alone(row, asks[row]) for row in group]
+            for row, tree in zip(group, drafts):
                 row.unseen = {}
                 trees[row] = prune(tree, row.max_draft, row.max_new - len(row.output.tokens) - 1)
         return [trees[row] for row in rows]
@@ -295,6 +301,17 @@ class InflightBatcher:
             output_hidden_states=bool(layers),
         )
         return out.logits, {layer: out.hidden_states[layer] for layer in layers}
+
+    def _advance_or_finish(self, i: int, row: Row, tree: DraftTree, logits: torch.Tensor, hidden: Hidden,
+                           seconds: float | None) -> list[bool]:
+        """`_advance`, where a failure (its sampling, its proposer's update) ends this row alone: the
+        cache already holds the round's columns, so every row must still say which it keeps."""
+        try:
+            return self._advance(i, row, tree, logits, hidden, seconds)
+        except Exception as err:
+            if not row.seq.done:
+                self._finish(row, "cancelled", err)
+            return [False] * logits.shape[1]
 
     def _advance(self, i: int, row: Row, tree: DraftTree, logits: torch.Tensor, hidden: Hidden,
                  seconds: float | None) -> list[bool]:

@@ -21,6 +21,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.prompts import chat_ids, text_ids
 from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.decoding import generate
+from specdeploy.runtime.kv_cache import check_full_attention
 from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.types import GenerationResult, Proposer, SamplingParams, model_device
 
@@ -170,7 +171,8 @@ def make_proposer(spec: dict[str, Any], target: Any, tokenizer: Any, base: Path 
     kind = spec.get("kind") or "none"
     if kind == "none":
         return None
-    check_no_sliding_window(target.config)
+    check_full_attention(target.config, "speculative decoding",
+                         hint="decode it plainly (`specdeploy generate --spec none`), or serve it with TensorRT-LLM on a GPU host")
     options = {key: value for key, value in spec.items() if key not in DECODER_KEYS and value is not None}
     if kind == "draft":
         if not spec.get("draft_model_dir"):
@@ -196,20 +198,6 @@ def deployment_device(config: dict[str, Any], path: Path, override: str | torch.
         raise SpecDeployError(f"{path}: device {spec!r} is not a device",
                               hint="use auto, cpu, cuda or cuda:N (re-run `specdeploy package --device ...`)") from err
     return resolve_device(str(spec))
-
-
-def check_no_sliding_window(config: Any) -> None:
-    """Speculative verification feeds several tokens per step through a KV cache the runtime
-    trims and extends itself; a sliding-window attention cache breaks that, so refuse at load
-    instead of failing at the first speculative round."""
-    window = getattr(config, "sliding_window", None)
-    context = getattr(config, "max_position_embeddings", None) or 0
-    if window and getattr(config, "use_sliding_window", True) and (not context or window < context):
-        raise SpecDeployError(
-            f"{config.name_or_path or 'the model'} uses sliding-window attention (sliding_window={window}, "
-            f"context {context}), which specdeploy's speculative runtime does not support",
-            hint="package it with --spec none (plain decoding), or serve it with TensorRT-LLM on a GPU host",
-        )
 
 
 def spec_off_above(config: dict[str, Any], path: Path) -> int | None:

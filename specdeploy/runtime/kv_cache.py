@@ -7,8 +7,27 @@ whose accepted nodes are a prefix of it only needs a crop; a tree path needs a g
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
+
+from specdeploy.errors import SpecDeployError
+
+
+def check_full_attention(config: Any, what: str, hint: str) -> None:
+    """Refuse a model with sliding-window attention shorter than its context: speculative rounds
+    and in-flight batching trim, extend and regroup the KV cache position by position, which a
+    sliding-window cache cannot do. One request decoded plainly (`specdeploy generate`) needs none
+    of that. Checked at load, so it fails there and not at the first round."""
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None) or 0
+    if window and getattr(config, "use_sliding_window", True) and (not context or window < context):
+        raise SpecDeployError(
+            f"{config.name_or_path or 'the model'} uses sliding-window attention (sliding_window={window}, "
+            f"context {context}), which specdeploy's runtime does not support for {what}",
+            hint=hint,
+        )
 
 
 def cache_layers(cache: DynamicCache) -> list:

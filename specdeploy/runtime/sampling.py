@@ -13,7 +13,10 @@ from specdeploy.runtime.types import SamplingParams
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (float32, same leading shape) after temperature, top-k and top-p."""
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # shifted first: divided by a tiny temperature, logits overflow to inf and softmax gives NaN;
+    # shifted, the largest is 0 and the others go to -inf (the distribution is unchanged)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         # exactly k tokens survive: a threshold at the k-th logit would keep every token tied with it
         top = torch.topk(logits, params.top_k, dim=-1).indices

@@ -40,12 +40,14 @@ class SamplingParams:
                 f"max_new_tokens must be positive, got {self.max_new_tokens}",
                 hint="ask for at least one new token",
             )
-        if self.temperature < 0:
-            raise SpecDeployError(f"temperature must be >= 0, got {self.temperature}", hint="use 0 for greedy")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails every comparison
+            raise SpecDeployError(f"temperature must be a finite number >= 0, got {self.temperature}", hint="use 0 for greedy")
         if self.top_k < 0:
             raise SpecDeployError(f"top_k must be >= 0, got {self.top_k}", hint="use 0 to disable top-k")
         if not 0.0 < self.top_p <= 1.0:
             raise SpecDeployError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1.0 to disable top-p")
+        if "" in self.stop_strings:  # every text contains "": the answer would stop at its first token
+            raise SpecDeployError("a stop string is empty", hint="leave it out")
 
 
 @dataclass

@@ -221,6 +221,11 @@ class RequestReader:
         special = set(self.tokenizer.all_special_ids)
         for token in {t for word in words for t in word}:
             self._token_id(token, "a stop_words token id")
+        for word in words:
+            if len(word) > 1 and special.intersection(word):  # its text alone would stop where the special is absent
+                raise BadRequest(f"stop word {self.tokenizer.decode(word)!r} mixes a special token with text: the "
+                                 "specdeploy runtime stops on a special token only as a stop word of its own; send "
+                                 "the special token and the text as two stop words")
         ids = tuple(w[0] for w in words if len(w) == 1 and w[0] in special)
         strings = (self.tokenizer.decode(w, skip_special_tokens=True) for w in words if not (len(w) == 1 and w[0] in special))
         return ids, tuple(s for s in strings if s)
