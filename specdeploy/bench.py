@@ -33,6 +33,7 @@ from specdeploy.runtime.types import SamplingParams, acceptance_length, model_de
 SPEC_ROWS: dict[str, str | None] = {"draft": "hf-assisted", "ngram": "hf-lookup", "medusa": None, "eagle": None,
                                     "dflash": None}
 HF_ROWS = ("hf-assisted", "hf-lookup", "hf-ar")
+MODULE_ROWS = ("medusa", "eagle", "dflash")  # the rows whose proposer is a trained module (--spec-dir)
 DEFAULT_METHODS = "ar,draft,ngram,hf-assisted,hf-lookup"
 ACCEPTANCE_LENGTH = ("acceptance length: (accepted draft tokens + 1 per target forward) / target forwards, "
                      "prefill not counted, summed over prompts (TensorRT-LLM's definition; 1.00 = plain decoding)")
@@ -329,6 +330,17 @@ def draft_options(items: list[str]) -> dict[str, Any]:
     return options
 
 
+def given_modules(items: list[str]) -> dict[str, str]:
+    """--spec-dir KIND=PATH strings -> kind -> folder."""
+    modules = {}
+    for item in items:
+        kind, sep, path = item.partition("=")
+        if not sep or kind not in MODULE_ROWS or not path:
+            raise SpecDeployError(f"bad --spec-dir {item!r}", hint=f"use KIND=PATH with KIND one of {', '.join(MODULE_ROWS)}")
+        modules[kind] = path
+    return modules
+
+
 def bench_served(args: argparse.Namespace) -> int:
     """Served rows: is Triton adding overhead to the runtime? (tokens/s, time to first token)."""
     from rich.console import Console
@@ -357,11 +369,13 @@ def main(args: argparse.Namespace) -> int:
     from specdeploy.resolve import resolve_model_dir
     from specdeploy.runtime.deployment import load_model
 
+    if args.num_prompts < 1:
+        raise SpecDeployError(f"--num-prompts {args.num_prompts}: nothing to benchmark", hint="use 1 or more, e.g. 8")
     if args.served:
         return bench_served(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     options = draft_options(args.draft_option)  # bad input fails before any model loads
-    spec_dirs = {**trained_modules(Path(args.build_root), args.model), **dict(item.split("=", 1) for item in args.spec_dir)}
+    spec_dirs = {**trained_modules(Path(args.build_root), args.model), **given_modules(args.spec_dir)}
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     args.dtype = fast_dtype(device) if args.dtype == "native" else args.dtype

@@ -34,10 +34,6 @@ PERF_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens", "acceptance
 HTTP_CANCEL_HINT = ("the server may still finish the request: over HTTP, Triton cancels on a disconnect only "
                     "generate_stream requests, and through the ensemble not even those (use --model "
                     "tensorrt_llm_bls); raise --timeout")
-_NUMPY_TYPES = {
-    "TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64,
-    "TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_STRING": np.object_,
-}
 
 
 @dataclass
@@ -141,7 +137,7 @@ class TritonLLMClient:
             config = config.get("config", config)
             batched = int(config.get("max_batch_size", 0)) > 0
             self._inputs = {
-                spec["name"]: (_NUMPY_TYPES[spec["data_type"]], ([1] if batched else []) + [int(d) for d in spec.get("dims", [])])
+                spec["name"]: (_numpy_type(spec["data_type"]), ([1] if batched else []) + [int(d) for d in spec.get("dims", [])])
                 for spec in config["input"]
             }
         return self._inputs
@@ -159,6 +155,7 @@ class TritonLLMClient:
             if dtype is np.object_:
                 values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
             shape = [len(values) if d == -1 else d for d in shape]
+            _check_range(name, values, dtype)
             array = np.array(values, dtype=dtype).reshape(shape)
             tensor = self._triton.InferInput(name, list(array.shape), "BYTES" if dtype is np.object_ else _triton_dtype(array))
             tensor.set_data_from_numpy(array)
@@ -248,14 +245,35 @@ class TritonLLMClient:
 
 
 def _http_error(response: Any) -> str:
+    """The server's error message: a JSON body, or (generate_stream) one server-sent event holding it."""
+    body = response.text.strip()
     try:
-        return response.json()["error"]
+        return json.loads(body.removeprefix("data:"))["error"]
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:300]}"
+        return f"HTTP {response.status_code}: {body[:300]}"
 
 
 def _perf_in(answer: dict[str, Any]) -> dict[str, float]:
     return {k: float(_scalar(answer[k])) for k in PERF_OUTPUTS if k in answer}
+
+
+def _numpy_type(config_type: str) -> Any:
+    """The numpy type of a model config's data_type (TYPE_INT32, TYPE_STRING, TYPE_UINT8, ...)."""
+    from tritonclient.utils import triton_to_np_dtype
+
+    name = config_type.removeprefix("TYPE_")
+    return np.object_ if name == "STRING" else triton_to_np_dtype(name)
+
+
+def _check_range(name: str, values: list[Any], dtype: Any) -> None:
+    """numpy wraps an out-of-range integer silently (2**31 becomes -2**31 in int32): refuse it instead."""
+    if not np.issubdtype(dtype, np.integer):
+        return
+    limits = np.iinfo(dtype)
+    for value in values:
+        if isinstance(value, (int, np.integer)) and not limits.min <= value <= limits.max:
+            raise SpecDeployError(f"{name}={value} does not fit the model's {np.dtype(dtype).name} input",
+                                  hint=f"use a value from {limits.min} to {limits.max}")
 
 
 def _triton_dtype(array: np.ndarray) -> str:

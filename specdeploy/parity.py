@@ -65,15 +65,34 @@ def hf_reference(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int
     tokens: list[int] = []
     margins: list[float] = []
     if guess is not None:
-        guessed = tokenizer(guess, add_special_tokens=False)["input_ids"][:max_new_tokens]
-        tokens, margins = greedy_path(model, prompt_ids, guessed, eos)
-        tokens, margins = tokens[:max_new_tokens], margins[:max_new_tokens]
+        tokens, margins = _along_guess(model, tokenizer, prompt_ids, guess, max_new_tokens, eos)
     finished = len(tokens) >= max_new_tokens or bool(tokens) and tokens[-1] in eos
     if complete and not finished:
         prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
         more, more_margins = _generate(model, tokenizer, prefix, max_new_tokens - len(tokens))
         tokens, margins = tokens + more, margins + more_margins
     return Reference(tokens, tokenizer.decode(tokens, skip_special_tokens=True), margins)
+
+
+def _along_guess(model, tokenizer, prompt_ids: torch.Tensor, guess: str, max_new_tokens: int,
+                 eos: set[int]) -> tuple[list[int], list[float]]:
+    """Greedy decoding along the guess's text (`greedy_path` on its tokens). The guess is text, and
+    a model can write a text in other tokens than the tokenizer would ("a" then "b" where "ab" is one
+    token): where the reference's own token still writes the guess's text, the rest of the text is
+    tokenized again after it and followed on, so only a choice of other text ends the path."""
+    tokens: list[int] = []
+    margins: list[float] = []
+    while len(tokens) < max_new_tokens:
+        written = tokenizer.decode(tokens, skip_special_tokens=True)
+        guessed = tokenizer(guess[len(written):], add_special_tokens=False)["input_ids"][:max_new_tokens - len(tokens)]
+        prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
+        path, path_margins = greedy_path(model, prefix, guessed, eos)
+        tokens, margins = tokens + path, margins + path_margins
+        if len(path) > len(guessed) or path[-1] in eos:
+            break  # past the guess's end, or an end token
+        if not guess.startswith(tokenizer.decode(tokens, skip_special_tokens=True)):
+            break  # the reference wrote other text: where the two part
+    return tokens[:max_new_tokens], margins[:max_new_tokens]
 
 
 def _margin(scores: torch.Tensor) -> float:

@@ -118,10 +118,13 @@ def test_levels_above_the_deployments_spec_off_above_say_nothing_of_speculating(
                AR: {1: level([1.2, 1.2]), 2: level([1.2, 1.2]), 4: level([1.0, 1.0]), 8: level([1.0, 1.0])}}
     alone = build_report(results, tokenizer, [1, 2, 4, 8], "exact")
     assert alone["break_even_concurrency"] is None and alone["spec_off_above"] is None  # 8 paid: 4's loss is noise
+    assert suggestion(alone).startswith("no break-even at every level swept: speculation lost in every pass at "
+                                        "concurrency 4, but paid at a higher level")
     assert "no spec_off_above" in suggestion(alone)
     report = build_report(results, tokenizer, [1, 2, 4, 8], "exact", spec_off_above=2)
     assert report["break_even_concurrency"] is None and report["spec_off_above"] == 2
     assert report["deployment_spec_off_above"] == 2 and "keep it" in suggestion(report)
+    assert suggestion(report).startswith("speculation paid at every level up to the deployment's spec_off_above 2")
     # with the threshold at 4, 4 speculated and lost in both passes: a lower threshold
     report = build_report(results, tokenizer, [1, 2, 4, 8], "exact", spec_off_above=4)
     assert report["break_even_concurrency"] == 4 and report["spec_off_above"] == 2
@@ -342,6 +345,8 @@ def test_bad_arguments_are_clear_errors(build, capsys):
     assert "positive integers" in capsys.readouterr().err
     assert cli_main(["loadtest", "--build-dir", str(build.root), "--passes", "0"]) == 2
     assert "--passes" in capsys.readouterr().err
+    assert cli_main(["loadtest", "--build-dir", str(build.root), "--requests-per-level", "0"]) == 2
+    assert "--requests-per-level" in capsys.readouterr().err
     assert cli_main(["loadtest", "--build-dir", str(build.root), "--length-spread", "1"]) == 2
     assert "--length-spread 1.0 is not in [0, 1)" in capsys.readouterr().err
     assert cli_main(["loadtest", "--build-dir", str(build.root), "--url", "127.0.0.1:1", "--control"]) == 2

@@ -87,6 +87,10 @@ def test_a_guess_that_does_not_retokenize_to_the_served_tokens_still_gives_gener
     assert tokenizer(generated.text, add_special_tokens=False)["input_ids"] != generated.token_ids[:-1]
     checked = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=12, guess=generated.text)
     assert checked.token_ids == generated.token_ids and compare("p", checked, generated.text, tokenizer).match
+    # stopped where the two part (the load test's near-tie judge, verify's fidelity): the reference's
+    # own tokens write the guess's text, so the check follows the text on, and nothing parts
+    stopped = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=12, guess=generated.text, complete=False)
+    assert stopped.token_ids == generated.token_ids and compare("p", stopped, generated.text, tokenizer).match
 
 
 @pytest.mark.parametrize("served_tokens", [0, 3, 6])
@@ -161,6 +165,13 @@ def test_acceptance_length_is_trtllms_summed_over_prompts(tmp_path):
     assert summary["acceptance_length_definition"] == ACCEPTANCE_DEFINITION
     write_reports(tmp_path, summary, rows)
     assert f"Acceptance length: {ACCEPTANCE_DEFINITION}" in (tmp_path / "verify.md").read_text()
+
+
+def test_a_divergence_at_the_first_token_shows_its_index_in_verify_md(tmp_path):
+    first = {**_row("chat", 8, 2), "match": False, "first_divergence_token": 0, "margin_at_divergence": 3.2}
+    write_reports(tmp_path, summarize([first, _row("code", 8, 2)], "bfloat16", "near-tie", near_tie=1.0), [first])
+    row = next(line for line in (tmp_path / "verify.md").read_text().splitlines() if line.startswith("| chat"))
+    assert row.split("|")[3].strip() == "0" and row.split("|")[4].strip() == "3.200"
 
 
 def test_speedup_is_tokens_per_s_of_each_arm_on_its_own_output():

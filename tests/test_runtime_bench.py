@@ -124,3 +124,14 @@ def test_draft_options_are_parsed_and_checked():
     for bad in (["head_rows"], ["width=3"]):
         with pytest.raises(SpecDeployError, match="bad --draft-option"):
             draft_options(bad)
+
+
+def test_bad_spec_dirs_and_no_prompts_are_clear_errors(capsys):
+    from specdeploy.bench import given_modules
+
+    assert given_modules(["eagle=/m/eagle", "medusa=/m/medusa"]) == {"eagle": "/m/eagle", "medusa": "/m/medusa"}
+    for bad in (["medusa"], ["ngram=/m"], ["eagle="]):
+        with pytest.raises(SpecDeployError, match="bad --spec-dir"):
+            given_modules(bad)
+    assert cli_main(["bench", "--num-prompts", "0"]) == 2  # refused before any model loads
+    assert "--num-prompts 0: nothing to benchmark" in capsys.readouterr().err

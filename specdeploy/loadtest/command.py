@@ -69,7 +69,8 @@ def _check_args(args: argparse.Namespace) -> None:
                               hint="drop --url, or drop --control")
     if args.url_ar and not args.url:
         raise SpecDeployError("--url-ar needs --url (the speculative server)", hint="pass both, or neither to start the build's")
-    if min(args.requests_per_level or 1, args.passes, args.max_tokens, args.prompts) < 1:
+    given = [value for value in (args.requests_per_level, args.passes, args.max_tokens, args.prompts) if value is not None]
+    if min(given) < 1:
         raise SpecDeployError("--requests-per-level, --passes, --max-tokens and --prompts must be >= 1",
                               hint="e.g. --requests-per-level 8 --passes 2")
     if not 0 <= args.length_spread < 1:

@@ -99,13 +99,20 @@ def suggestion(report: dict[str, Any]) -> str:
     """What the sweep says of the deployment's spec_off_above: keep it, or the value it suggests."""
     off_above, current = report["spec_off_above"], report["deployment_spec_off_above"]
     if off_above == current:
-        if current is None:
-            return "speculation paid at every level swept: keep the deployment as it is (no spec_off_above)"
-        if not any(entry["concurrency"] <= current for entry in report["levels"]):
+        if current is not None and not any(entry["concurrency"] <= current for entry in report["levels"]):
             return (f"every level swept is above the deployment's spec_off_above {current}: speculation stayed off, "
                     "so the sweep suggests nothing (sweep lower levels too)")
-        return (f"speculation paid at every level up to the deployment's spec_off_above {current}: keep it (above it "
-                "batches decode plainly, so those levels cannot tell whether speculating there would pay)")
+        lost = [entry["concurrency"] for entry in report["levels"] if entry["pass_speedups"]
+                and max(entry["pass_speedups"]) < 1 and (current is None or entry["concurrency"] <= current)]
+        where = "every level swept" if current is None else f"every level up to the deployment's spec_off_above {current}"
+        paid = (f"speculation paid at {where}" if not lost else
+                f"no break-even at {where}: speculation lost in every pass at concurrency "
+                f"{', '.join(map(str, lost))}, but paid at a higher level, so that loss reads as noise (more --passes "
+                "tell them apart)")
+        if current is None:
+            return f"{paid}: keep the deployment as it is (no spec_off_above)"
+        return (f"{paid}: keep it (above it batches decode plainly, so those levels cannot tell whether speculating "
+                "there would pay)")
     why = ("speculation did not pay even alone: spec_off_above 0 serves plainly until the module accepts more"
            if off_above == 0 else f"batches of more than {off_above} sequences then decode plainly")
     return (f"suggested: spec_off_above {off_above} ({why}); package with --spec-off-above {off_above}, "

@@ -24,7 +24,7 @@ def write_reports(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         margin = f"{r['margin_at_divergence']:.3f}" if r["margin_at_divergence"] is not None else "-"
         ar_tokens = "" if r.get("ar_tokens") is None else f" ({r['ar_tokens']})"
-        lines.append(f"| {r['category']} | {r['match']} | {r['first_divergence_token'] or '-'} | {margin} | "
+        lines.append(f"| {r['category']} | {r['match']} | {_first(r)} | {margin} | "
                      f"{r['acceptance_length']:.2f} | {r['tokens']}{ar_tokens} | {speedup} |")
     for name, report in (("a. Exactness", summary.get("exactness")), ("c. Fidelity", summary.get("fidelity"))):
         if report:
