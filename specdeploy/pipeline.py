@@ -35,6 +35,7 @@ TRAINED_SPECS = ("eagle", "medusa", "dflash")
 # FP8 KV cache where the weight format already needs FP8 hardware (Ada/Hopper+); INT8/INT4 also
 # target Ampere, which has no FP8, so they keep the KV cache unquantized unless asked.
 KV_CACHE_FOR = {"fp8": "fp8", "nvfp4": "fp8", "w4a8_awq": "fp8"}
+SPEC_OVERRIDE_FLAGS = {"steps": "--spec-steps", "num_prompts": "--spec-prompts", "ttt_steps": "--spec-ttt-steps"}  # setting -> flag
 
 
 @dataclass
@@ -72,7 +73,9 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
     from specdeploy.triton import stage as package_stage
     from specdeploy.trtllm import build as trt_build, convert
 
-    draft_dir = _draft_dir(build, opts)
+    kv_cache = opts.kv_cache or KV_CACHE_FOR.get(opts.quant, "none")
+    _check_options(opts, kv_cache)
+    draft_dir = _draft_dir(opts)
     loader = {"device": opts.device, "trust_remote_code": opts.trust_remote_code}
     steps: list[tuple[str, Callable[[], Path]]] = [
         ("resolve", lambda: resolve.run(build, opts.model, allow_pickle=opts.allow_pickle,
@@ -85,7 +88,6 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
 
         overrides = {k: v for k, v in (opts.spec_overrides or {}).items() if v is not None}
         steps.append(("spec", lambda: spec.run(build, opts.spec, preset=opts.spec_preset, **loader, **overrides)))
-    kv_cache = opts.kv_cache or KV_CACHE_FOR.get(opts.quant, "none")
     kind = None if opts.spec == "none" else opts.spec
     chain_len = opts.max_draft_len if opts.spec in ("draft", "ngram") else None  # trees: the spec stage's own
     steps += [
@@ -103,6 +105,34 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
     return steps
 
 
+def _check_options(opts: EngineOptions, kv_cache: str) -> None:
+    """What a later stage would refuse, or never read, refused before the first stage runs (the
+    spec stage alone takes minutes)."""
+    from specdeploy.modules.stage import GATE_FLOOR
+    from specdeploy.quantize.config import check_exclude_format, check_format
+    from specdeploy.quantize.stage import check_deploy_dtype
+
+    check_deploy_dtype(opts.dtype, opts.quant, kv_cache)
+    check_format(opts.quant, kv_cache)
+    check_exclude_format(opts.quant, opts.quant_exclude or [])
+    if opts.tp_size < 1 or opts.pp_size < 1:
+        raise SpecDeployError(f"--tp-size {opts.tp_size} / --pp-size {opts.pp_size} must be >= 1", hint="1 and 1 for one GPU")
+    if opts.max_draft_len < 1:
+        raise SpecDeployError(f"--max-draft-len {opts.max_draft_len} must be >= 1", hint="draft tokens per step, e.g. 4")
+    trains = opts.spec in TRAINED_SPECS and not opts.module
+    unread = [flag for flag, used, given in (
+        ("--spec-preset", trains, opts.spec_preset != "quick"),
+        *((SPEC_OVERRIDE_FLAGS.get(name, name), trains, value is not None) for name, value in (opts.spec_overrides or {}).items()),
+        ("--module-accept", bool(opts.module), bool(opts.module_accept)),
+        ("--gate-floor", bool(opts.module), opts.gate_floor not in (None, GATE_FLOOR)),
+    ) if given and not used]
+    if unread:
+        what = "MODULE=<folder>" if opts.module else f"SPEC={opts.spec}"
+        raise SpecDeployError(f"{', '.join(unread)}: not read with {what}",
+                              hint="the --spec-* flags size a module's training (SPEC=eagle|dflash|medusa without MODULE); "
+                                   "--module-accept and --gate-floor check an imported MODULE; drop the others")
+
+
 def _import_module(build: BuildDir, opts: EngineOptions) -> Path:
     """MODULE=<folder>: the spec stage reads a module made elsewhere instead of training one."""
     from specdeploy.modules import stage
@@ -115,7 +145,7 @@ def _import_module(build: BuildDir, opts: EngineOptions) -> Path:
                      gate_floor=floor, device=opts.device, trust_remote_code=opts.trust_remote_code)
 
 
-def _draft_dir(build: BuildDir, opts: EngineOptions) -> str | None:
+def _draft_dir(opts: EngineOptions) -> str | None:
     """SPEC=draft needs DRAFT=<model>, resolved like MODEL and checked for the same tokenizer."""
     if opts.spec != "draft":
         if opts.draft:
@@ -127,8 +157,10 @@ def _draft_dir(build: BuildDir, opts: EngineOptions) -> str | None:
     from specdeploy.resolve import resolve_model_dir
     from specdeploy.runtime.proposers.draft import check_tokenizers
 
-    draft = resolve_model_dir(opts.draft)
-    check_tokenizers(load_tokenizer(resolve_model_dir(opts.model)), load_tokenizer(draft))
+    flags = {"allow_pickle": opts.allow_pickle, "trust_remote_code": opts.trust_remote_code}
+    draft = resolve_model_dir(opts.draft, **flags)
+    check_tokenizers(load_tokenizer(resolve_model_dir(opts.model, **flags), trust_remote_code=opts.trust_remote_code),
+                     load_tokenizer(draft, trust_remote_code=opts.trust_remote_code))
     return str(draft)
 
 
@@ -240,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
         cpu_max_batch_size=args.cpu_max_batch_size, spec_off_above=args.spec_off_above, cpu_draft_shape=args.cpu_draft_shape,
         trtllm_version=args.trtllm_version, tp_size=args.tp_size, pp_size=args.pp_size, max_draft_len=args.max_draft_len,
         calib_size=args.calib_size, quant_exclude=args.quant_exclude, quant_report=not args.no_quant_report,
-        spec_overrides={"steps": args.spec_steps, "num_prompts": args.spec_prompts, "ttt_steps": args.spec_ttt_steps},
+        spec_overrides={name: getattr(args, flag[2:].replace("-", "_")) for name, flag in SPEC_OVERRIDE_FLAGS.items()},
         module=args.module, module_accept=accepted(args), gate_floor=args.gate_floor,
     )
     build = build_from_args(args)

@@ -88,6 +88,37 @@ def test_pickle_conversion_is_keyed_on_content(tiny_llama_dir, tmp_path, cache):
     assert resolve.resolve_model_dir(str(folder), allow_pickle=True) != first
 
 
+def test_a_pickle_draft_model_resolves_under_the_engines_allow_pickle(tiny_llama_dir, tmp_path, cache):
+    """SPEC=draft resolves MODEL and DRAFT with the flags the user passed, as resolve does MODEL."""
+    from specdeploy.pipeline import EngineOptions, _draft_dir
+
+    folder = _pickle_folder(tiny_llama_dir, tmp_path / "pickled")
+    opts = EngineOptions(model=str(folder), spec="draft", draft=str(folder))
+    with pytest.raises(SpecDeployError, match="--allow-pickle"):
+        _draft_dir(opts)
+    opts.allow_pickle = True
+    assert _draft_dir(opts) == str(resolve.resolve_model_dir(str(folder), allow_pickle=True))
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_unreadable_safetensors_are_named_at_resolve(tiny_llama_dir, tmp_path, damage):
+    folder = Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"" if damage == "empty" else weights.read_bytes()[:-100])
+    with pytest.raises(SpecDeployError, match=f"{weights} is not a readable safetensors file") as err:
+        resolve.resolve_model_dir(str(folder))
+    assert "truncated or still downloading" in err.value.hint
+
+
+@pytest.mark.parametrize("content", [b"", b"not a gguf file at all"], ids=["empty", "junk"])
+def test_an_unreadable_gguf_is_a_clear_error(tmp_path, cache, content):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(SpecDeployError, match=f"{path} cannot be read as a GGUF model") as err:
+        resolve.resolve_model_dir(str(path))
+    assert "llama" in err.value.hint and "tokenizer" not in err.value.hint.split(";")[0]
+
+
 def _remote_code_folder(src: Path, dst: Path) -> Path:
     """A local folder whose config points at its own modeling file (a subclass of Llama)."""
     shutil.copytree(src, dst)

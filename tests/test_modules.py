@@ -411,6 +411,10 @@ def test_the_gate_passes_a_module_that_drafts_and_names_causes_when_the_layers_a
                      stage.served_gate(build.path("spec"), 1.05))
     ungated = imported(tmp_path / "ungated", base, "eagle", _cycle_module(tmp_path / "ungated_src", weights, base))
     assert stage.served_gate(ungated.path("spec"), 1.0) is None  # imported with --gate-floor 0: no floor to hold
+    # the same module asked again with a floor: gated now (not skipped as imported), and held by verify
+    stage.run(ungated, "eagle", tmp_path / "ungated_src", gate_floor=stage.GATE_FLOOR)
+    assert spec_of(ungated)[0]["imported"]["gate"]["floor"] == stage.GATE_FLOOR
+    assert stage.served_gate(ungated.path("spec"), 1.05) is not None
 
     permuted = dict(weights, **{"fc.weight": weights["fc.weight"].roll(2 * tm.HIDDEN, dims=1)})  # fc reads layer 4 first
     wrong = BuildDir(tmp_path / "wrong")

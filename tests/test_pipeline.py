@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from specdeploy.device import fast_dtype
+from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from tests.tiny import make_llama
 
@@ -69,6 +72,27 @@ def test_engine_records_every_stage_and_rerun_skips(engine_build, long_context_m
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("complete (skipped)") == len(STAGES)
     assert {s: r["finished"] for s, r in engine_build.manifest()["stages"].items()} == before
+
+
+def test_a_moved_build_stays_complete_and_a_draft_changed_in_place_is_converted_again(long_context_model, tmp_path):
+    """Draft-target: the build carries its draft, so a copy of the build elsewhere reruns nothing;
+    new weights in the draft's own folder (same path) are converted and packaged again."""
+    draft = Path(shutil.copytree(long_context_model, tmp_path / "draft"))
+    args = ("--kv-cache", "none", "--spec", "draft", "--draft", str(draft))
+    _built(long_context_model, tmp_path / "here", "none", *args)
+    moved = Path(shutil.copytree(tmp_path / "here", tmp_path / "elsewhere" / "build"))
+    again = _engine(long_context_model, moved, "none", *args)
+    assert again.returncode == 0 and again.stdout.count("complete (skipped)") == len(STAGES), again.stdout[-3000:]
+
+    weights = load_file(draft / "model.safetensors")
+    (draft / "model.safetensors").unlink()  # a new fine-tune written in the draft's place
+    save_file({name: tensor + 0.01 for name, tensor in weights.items()}, draft / "model.safetensors")
+    changed = _engine(long_context_model, moved, "none", *args)
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert changed.stdout.count("complete (skipped)") == 2  # resolve and quantize; convert and what follows ran
+    carried = moved / "trtllm_ckpt" / "draft_model" / "model.safetensors"
+    assert load_file(carried).keys() == weights.keys()
+    assert all(torch.equal(load_file(carried)[name], weights[name] + 0.01) for name in weights)
 
 
 def test_killed_engine_resumes_without_a_corrupt_artifact(long_context_model, tmp_path):
@@ -161,6 +185,23 @@ def test_bench_served_rows(engine_build, tmp_path):
     result = json.loads(out.read_text())
     assert result["served"]["new_tokens"] == result["inprocess"]["new_tokens"] > 0  # same work on both sides
     assert result["served_over_inprocess"] > 0 and result["served"]["ttft_median_s"] > 0
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(dtype="float32"), "--dtype float32 deploys unquantized weights"),
+    (dict(tp_size=0), "--tp-size 0 / --pp-size 1 must be >= 1"),
+    (dict(spec="ngram", max_draft_len=0), "--max-draft-len 0 must be >= 1"),
+    (dict(spec="ngram", spec_preset="long", spec_overrides={"steps": 5, "num_prompts": None, "ttt_steps": 3}),
+     "--spec-preset, --spec-steps, --spec-ttt-steps: not read with SPEC=ngram"),
+    (dict(module_accept=("rope",), gate_floor=0.5), "--module-accept, --gate-floor: not read with SPEC=eagle"),
+    (dict(module="/m", spec_overrides={"steps": 5}), "--spec-steps: not read with MODULE=<folder>"),
+])
+def test_options_a_stage_would_refuse_or_never_read_are_refused_before_any_stage(options, message, tmp_path):
+    from specdeploy.pipeline import EngineOptions, _stage_steps
+
+    with pytest.raises(SpecDeployError, match=message):
+        _stage_steps(BuildDir(tmp_path / "build"), EngineOptions(**options))
+    assert not (tmp_path / "build").exists()
 
 
 def test_next_commands_name_the_build_that_was_made(tmp_path):

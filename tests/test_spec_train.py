@@ -61,6 +61,25 @@ def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind, lr, ttt)
         assert (tmp_path / "spec" / "eagle3_export" / "config.json").is_file()
 
 
+def test_the_stage_never_resumes_a_checkpoint_of_another_base(tmp_path):
+    """The model changed under the same build: its resolve output differs, so does the checkpoint
+    folder, and the old base's run (possibly finished) is dropped instead of resumed."""
+    from specdeploy.manifest import BuildDir
+    from specdeploy.speculator.commands import _checkpoint_dir
+
+    build = BuildDir(tmp_path / "build")
+    for weights in ("first base", "second base"):
+        with build.stage("resolve", "base", {"model": "/models/m"}) as tmp:
+            (tmp / "model.safetensors").write_text(weights)
+        if weights == "first base":
+            first = _checkpoint_dir(build)
+            first.mkdir(parents=True)
+            (first / "state.json").write_text("{}")
+            assert _checkpoint_dir(build) == first and (first / "state.json").is_file()  # the same base: kept
+    second = _checkpoint_dir(build)
+    assert second != first and not first.exists()
+
+
 def test_resume_continues_where_it_stopped(tiny_llama_dir, data, tmp_path):
     settings = dict(kind="eagle", checkpoint_every=4, **TINY)
     first = train(tiny_llama_dir, tmp_path / "a", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data,

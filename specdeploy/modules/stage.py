@@ -43,7 +43,7 @@ def run(build: BuildDir, spec: str, module_dir: str | Path, *, allow_pickle: boo
     """Stage `spec` from a module folder: build/<name>/spec/ as the spec stage's contract has it."""
     source = Path(module_dir).expanduser().resolve()
     settings = {"kind": spec, "module": str(source), "files": fingerprint(source, allow_pickle=allow_pickle),
-                "accept": sorted(accept), "import_format": IMPORT_FORMAT}
+                "accept": sorted(accept), "gate_floor": gate_floor, "import_format": IMPORT_FORMAT}  # a higher floor gates again
     if build.completed(STAGE, settings, consumes=("resolve",)):
         return build.path(OUT)
     base_dir = build.path("base")

@@ -34,7 +34,14 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "auto") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf.name} to safetensors (dequantizing; done once, then cached)", file=sys.stderr)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, OSError) as err:  # not GGUF, truncated, or an architecture transformers cannot map
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        raise SpecDeployError(f"{gguf} cannot be read as a GGUF model: {err}",
+                              hint=f"transformers reads GGUF files of {', '.join(_architectures(GGUF_CONFIG_MAPPING))}; check that the "
+                                   "file is complete (its size and sha256), or convert the model to a safetensors HF folder") from err
     target = getattr(torch, _pick_dtype(dtype, loaded.num_parameters()))
     config = loaded.config
     if hasattr(config, "quantization_config"):
@@ -55,6 +62,10 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "auto") -> Path:
     _fix_special_tokens(tokenizer, config)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _architectures(mapping: dict[str, Any]) -> list[str]:
+    return sorted(name for name in mapping if name not in ("general", "tokenizer"))  # sections, not architectures
 
 
 def _fix_special_tokens(tokenizer: Any, config: Any) -> None:

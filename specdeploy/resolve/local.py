@@ -33,6 +33,20 @@ def _check_remote_code(folder: Path, trust_remote_code: bool) -> None:
         )
 
 
+def _check_safetensors(folder: Path) -> None:
+    """Each weights file's header, read now (it is small): a truncated or unfinished download
+    fails here with its name, not as a struct error stages later."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as weights:
+                weights.keys()
+        except Exception as err:  # SafetensorError, or an OSError for an unreadable file
+            raise SpecDeployError(f"{path} is not a readable safetensors file ({err})",
+                                  hint="it may be truncated or still downloading: fetch it again") from err
+
+
 def pickle_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
 
@@ -50,6 +64,7 @@ def refuse_pickles(folder: Path, pickles: list[Path], allow_pickle: bool) -> Non
 def resolve_local_dir(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
     _check_remote_code(folder, trust_remote_code)
     if any(folder.glob("*.safetensors")):
+        _check_safetensors(folder)
         return folder
     pickles = pickle_files(folder)
     if not pickles:

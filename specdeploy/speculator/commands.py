@@ -2,7 +2,7 @@
 
 The stage trains into build/<name>/spec/ (see specdeploy.speculator for the folder's contract) on the
 device it is given (`--device auto|cpu|cuda|cuda:N`), with the preset sized to that device and
-the base (spec.presets). Its resumable checkpoint lives beside it in build/<name>/.spec.ckpt/, so
+the base (spec.presets). Its resumable checkpoint lives beside it in build/<name>/.spec.ckpt/<base>/, so
 an interrupted or longer rerun continues where the last one stopped instead of starting over.
 Under torchrun / accelerate launch the training is data-parallel (speculator.parallel).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -47,7 +48,8 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
         print(f"specdeploy spec: {preset} preset of the {tier} tier: {settings.steps} steps on {settings.num_prompts} "
               f"generated answers, {settings.code_prompts} code completions and {settings.teacher_forced} read answers",
               file=sys.stderr)
-    train_args = dict(ckpt_dir=build.root / CKPT, parallel=parallel, trust_remote_code=trust_remote_code)
+    ckpt_dir = _checkpoint_dir(build)
+    train_args = dict(ckpt_dir=ckpt_dir, parallel=parallel, trust_remote_code=trust_remote_code)
     if parallel.is_main:
         with build.stage(STAGE, OUT, asdict(settings), consumes=("resolve",), device=where,
                          notes={"sizing": sizing} if sizing else None) as tmp:
@@ -56,6 +58,16 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
         train(base_dir, None, settings, **train_args)  # only rank 0 writes
     parallel.barrier()  # rank 0 has recorded the stage
     return build.path(OUT)
+
+
+def _checkpoint_dir(build: BuildDir) -> Path:
+    """The resumable checkpoint of this build's base: a run on another base (the model changed
+    under the same build) is never resumed, and its folder goes."""
+    ckpt_dir = build.root / CKPT / build.fingerprint("resolve")
+    for other in (build.root / CKPT).glob("*"):
+        if other != ckpt_dir:
+            shutil.rmtree(other) if other.is_dir() else other.unlink()
+    return ckpt_dir
 
 
 def _complete(build: BuildDir, spec: str, preset: str, overrides: dict[str, Any]) -> bool:

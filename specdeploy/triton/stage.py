@@ -107,7 +107,9 @@ def run(
     draft = build_inputs.draft_dir(spec, converted, draft_model_dir, spec_dir, build.root)
     settings = {
         "spec": spec, "choices": tree.to_list() if tree else None, "structure": structure.as_dict() if structure else None,
-        "draft_model_dir": str(draft) if draft else None, "dtype": dtype, "device": device, "adaptive": adaptive,
+        # $BUILD_DIR/... for the draft the build carries: a moved build stays complete
+        "draft_model_dir": build_path(draft, build.root) if draft else None,
+        "dtype": dtype, "device": device, "adaptive": adaptive,
         "max_batch_size": max_batch_size, "cpu_max_batch_size": cpu_max_batch_size, "spec_off_above": spec_off_above,
         "cpu_draft_shape": cpu_draft_shape, "cpu_plan": CPU_PLAN if cpu_draft_shape == "auto" else None, "decoupled": decoupled,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction, "templates": templates_digest(),

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json
+from specdeploy.fileio import atomic_write_json, content_fingerprint
 from specdeploy.hfcompat import write_compatible
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.resolve.stage import KEEP_SUFFIXES
 from specdeploy.trtllm import llmapi, specmodules
 from specdeploy.trtllm.engine_checkpoint import convert_all, engine_refusal
 from specdeploy.trtllm.hostpaths import build_path
@@ -147,6 +148,8 @@ def run(build: BuildDir, *, tp: int = 1, pp: int = 1, route: str = "auto", kind:
     refuse_quantized_spec(model)
     spec_dir = build.path("spec") if build.record("spec") else None
     settings = {"tp": tp, "pp": pp, "route": route, "kind": kind, "draft_model": draft_model, "max_draft_len": max_draft_len,
+                # the draft's content, not only its path: a draft replaced in place is converted again
+                "draft_files": content_fingerprint(draft_model, KEEP_SUFFIXES) if draft_model and Path(draft_model).is_dir() else None,
                 "writer": WRITER, "trtllm_version": trtllm_version, "eagle_tree": eagle_tree, "tree_topk": tree_topk, "tree_total": tree_total}
     if build.completed(STAGE, settings, consumes=consumes):
         return build.path(OUT)
