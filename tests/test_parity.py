@@ -187,6 +187,11 @@ def test_speedup_is_tokens_per_s_of_each_arm_on_its_own_output():
     assert summary["speedup_chat"] == pytest.approx(1.0) and summary["speedup_min"] == pytest.approx(1.0)
     assert summary["speedup_definition"] == SPEEDUP_DEFINITION
     assert _speedup([(10, 1.0, None, None)]) is None  # no AR twin asked
+    # a row without a speed-up (the twin made no tokens for it) leaves its category's minimum to the others
+    lone = {**_row("chat", 8, 2), "ar_tokens": 0, "ar_latency_s": 1.0}
+    mixed = summarize([lone, early, same], "float32", "near-tie", near_tie=1.0)
+    assert mixed["speedup_min_chat"] == pytest.approx(1.0) and mixed["speedup_min_code"] == pytest.approx(1.5)
+    assert summarize([lone, same], "float32", "near-tie", near_tie=1.0)["speedup_min_chat"] is None
 
 
 def test_a_trtllm_route_is_asked_in_its_own_input_names():

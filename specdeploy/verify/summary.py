@@ -93,7 +93,7 @@ def summarize(rows: list[dict[str, Any]], dtype: str, rule: str, near_tie: float
         summary[f"acceptance_length_{category}"] = _acceptance(subset)
         if speedups:
             summary[f"speedup_{category}"] = _speedup(_runs(subset))
-            summary[f"speedup_min_{category}"] = min(r["speedup"] for r in subset)
+            summary[f"speedup_min_{category}"] = min((r["speedup"] for r in subset if r["speedup"]), default=None)
     return summary
 
 
