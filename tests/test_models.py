@@ -152,6 +152,16 @@ def test_remote_code_refused_unless_trusted(tiny_llama_dir, tmp_path):
     assert resolve.resolve_model_dir(str(folder), trust_remote_code=True) == folder
 
 
+def test_a_tokenizer_with_remote_code_is_refused_unless_trusted(tiny_llama_dir, tmp_path):
+    folder = Path(shutil.copytree(tiny_llama_dir, tmp_path / "remote_tokenizer"))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with pytest.raises(SpecDeployError, match=r"needs remote code \(tokenizer_config.json auto_map: \['AutoTokenizer'\]\)"):
+        resolve.resolve_model_dir(str(folder))
+    assert resolve.resolve_model_dir(str(folder), trust_remote_code=True) == folder
+
+
 def test_folder_without_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(SpecDeployError, match="no config.json"):

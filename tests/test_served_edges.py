@@ -29,6 +29,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.deployment import load_decoder
+from specdeploy.runtime.proposers import build_proposer
 from specdeploy.runtime.types import SamplingParams
 from specdeploy.triton import stage
 from specdeploy.triton.serve import SHM_PREFIX, TritonServer, free_ports, shm_regions
@@ -174,6 +175,8 @@ def test_a_sliding_window_model_is_refused_at_load(tmp_path, tiny_tokenizer_dir)
     with pytest.raises(SpecDeployError, match=r"does not support for in-flight batching") as err:
         InflightBatcher(decoder.target, None)
     assert "generate --spec none" in err.value.hint
+    with pytest.raises(SpecDeployError, match=r"does not support for a draft model"):  # nor as another's draft
+        build_proposer("draft", decoder.target, draft_model=decoder.target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, cache_dir, sha256_file
+from specdeploy.fileio import atomic_write_json, cache_dir, cached_sha256
 from specdeploy.resolve.cache import is_complete_hf_dir, locked, publish_dir
 
 CONVERSION_VERSION = 2  # bump when the GGUF -> safetensors conversion changes its output
@@ -91,7 +91,7 @@ def _check_no_meta(model: Any, gguf: Path) -> None:
 
 def converted_gguf_dir(gguf: Path, *, sha256: str | None = None, label: str | None = None, dtype: str = "auto") -> Path:
     """The cached safetensors folder for a GGUF file, converting it on first use."""
-    digest = sha256 or sha256_file(gguf)
+    digest = sha256 or cached_sha256(gguf)  # a multi-GB file is hashed once, not on every run
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", label or gguf.stem).lower()
     key = f"{stem}-{digest[:12]}-v{CONVERSION_VERSION}"
     final = cache_dir() / "models" / key

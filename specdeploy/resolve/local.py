@@ -22,15 +22,19 @@ def _check_remote_code(folder: Path, trust_remote_code: bool) -> None:
     if not config_path.is_file():
         raise SpecDeployError(f"{folder} has no config.json, so it is not a Hugging Face model folder",
                               hint=f"accepted forms: {ACCEPTED_FORMS}")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise SpecDeployError(f"{config_path} is not valid JSON ({err})") from err
-    if config.get("auto_map") and not trust_remote_code:
-        raise SpecDeployError(
-            f"{folder} needs remote code (config.json auto_map: {sorted(config['auto_map'])})",
-            hint="read the folder's *.py files; pass --trust-remote-code only if you trust them",
-        )
+    # the model's config or the tokenizer's can each name code of the folder's own to run
+    for path in (config_path, folder / "tokenizer_config.json"):
+        if not path.is_file():
+            continue
+        try:
+            auto_map = json.loads(path.read_text()).get("auto_map")
+        except json.JSONDecodeError as err:
+            raise SpecDeployError(f"{path} is not valid JSON ({err})") from err
+        if auto_map and not trust_remote_code:
+            raise SpecDeployError(
+                f"{folder} needs remote code ({path.name} auto_map: {sorted(auto_map)})",
+                hint="read the folder's *.py files; pass --trust-remote-code only if you trust them",
+            )
 
 
 def _check_safetensors(folder: Path) -> None:

@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specdeploy.attention import use_cpu_sdpa
 from specdeploy.errors import SpecDeployError
-from specdeploy.runtime.kv_cache import crop
+from specdeploy.runtime.kv_cache import check_full_attention, crop
 from specdeploy.runtime.proposers.head import restricted_head
 from specdeploy.runtime.proposers.quant import check_quant, int8_linears
 from specdeploy.runtime.sampling import sample, warp
@@ -151,6 +151,8 @@ def build(
         draft_tokenizer = draft_tokenizer or load_tokenizer(draft_model_dir)
     elif model_device(draft_model) != device:
         draft_model = draft_model.to(device)
+    # the draft's cache is cropped to the accepted tokens every round, as the target's
+    check_full_attention(draft_model.config, "a draft model", hint="use a draft model with full attention")
     if tokenizer is not None and draft_tokenizer is not None:
         check_tokenizers(tokenizer, draft_tokenizer)
     if draft_quant == "int8":
