@@ -78,8 +78,8 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
     draft_dir = _draft_dir(opts)
     loader = {"device": opts.device, "trust_remote_code": opts.trust_remote_code}
     steps: list[tuple[str, Callable[[], Path]]] = [
-        ("resolve", lambda: resolve.run(build, opts.model, allow_pickle=opts.allow_pickle,
-                                       trust_remote_code=opts.trust_remote_code)),
+        ("resolve", lambda: _convertible(resolve.run(build, opts.model, allow_pickle=opts.allow_pickle,
+                                                     trust_remote_code=opts.trust_remote_code))),
     ]
     if opts.module:
         steps.append(("spec", lambda: _import_module(build, opts)))
@@ -103,6 +103,14 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
                                               spec_off_above=opts.spec_off_above, cpu_draft_shape=opts.cpu_draft_shape)),
     ]
     return steps
+
+
+def _convertible(base_dir: Path) -> Path:
+    """The resolved base, refused now when the convert stage would refuse it, not after training."""
+    from specdeploy.trtllm.source import check_architecture
+
+    check_architecture(base_dir)
+    return base_dir
 
 
 def _check_options(opts: EngineOptions, kv_cache: str) -> None:

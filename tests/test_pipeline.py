@@ -204,6 +204,18 @@ def test_options_a_stage_would_refuse_or_never_read_are_refused_before_any_stage
     assert not (tmp_path / "build").exists()
 
 
+def test_an_architecture_convert_cannot_map_is_refused_before_the_spec_stage(tmp_path, tiny_tokenizer_dir):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "mistral")
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    done = _engine(tmp_path / "mistral", tmp_path / "build", "none", "--kv-cache", "none", "--spec", "eagle")
+    assert done.returncode == 2 and "architecture MistralForCausalLM is not supported by the TRT-LLM converter" in done.stderr
+    assert sorted(BuildDir(tmp_path / "build").manifest()["stages"]) == ["resolve"]  # nothing trained
+
+
 def test_next_commands_name_the_build_that_was_made(tmp_path):
     from specdeploy.pipeline import EngineOptions, next_commands
 

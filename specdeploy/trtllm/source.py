@@ -123,8 +123,8 @@ def _dtype_name(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str
     return str(embed.dtype).removeprefix("torch.") if embed is not None else "float16"
 
 
-def load_hf_source(path: str | Path) -> HFSource:
-    """Read an HF folder; refuse architectures the converter does not map."""
+def check_architecture(path: str | Path) -> dict:
+    """An HF folder's config, refused when the converter does not map its architecture."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -136,6 +136,14 @@ def load_hf_source(path: str | Path) -> HFSource:
             f"{path}: architecture {arch} is not supported by the TRT-LLM converter",
             hint=f"supported: {', '.join(FAMILIES)}",
         )
+    return config
+
+
+def load_hf_source(path: str | Path) -> HFSource:
+    """Read an HF folder; refuse architectures the converter does not map."""
+    path = Path(path)
+    config = check_architecture(path)
+    arch = config["architectures"][0]
     tensors = load_safetensors_dir(
         path, hint="convert takes an HF safetensors folder (the resolve or quantize stage output)")
     return HFSource(path, config, tensors, read_quant(path), FAMILIES[arch], dims_of(config), _dtype_name(config, tensors))
