@@ -97,16 +97,19 @@ class TritonLLMClient:
 
     # -- readiness -------------------------------------------------------------------------
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Return when the model is ready; a clear error says whether the server or the model is missing."""
+        """Return when the model is ready, its input config read (so no request pays for that); a
+        clear error says whether the server or the model is missing."""
         deadline = time.monotonic() + timeout_s
         reached = False
         while time.monotonic() < deadline:
             try:
                 reached = True if self._client.is_server_live() else reached
-                if self._client.is_model_ready(self.model):
-                    return
+                ready = self._client.is_model_ready(self.model)
             except Exception:  # connection refused, server starting: keep polling
-                pass
+                ready = False
+            if ready:
+                self._input_specs()
+                return
             time.sleep(0.25)
         if not reached:
             raise SpecDeployError(

@@ -62,3 +62,14 @@ def test_an_http_error_reads_as_the_servers_message_streamed_or_not(body):
 
 def test_an_http_error_without_a_message_keeps_the_status_and_body():
     assert _http_error(_Response(502, "Bad Gateway")) == "HTTP 502: Bad Gateway"
+
+
+def test_a_ready_client_has_read_the_models_config_so_no_request_pays_for_it():
+    config = _config_as_served(TEMPLATES / "inflight_batcher_llm" / "tensorrt_llm_bls" / "config.pbtxt")
+    client, reads = _client(config), []
+    client._client.get_model_config = lambda model, as_json=False: reads.append(model) or config
+    client._client.is_server_live = client._client.is_model_ready = lambda *args: True
+    client.wait_ready(timeout_s=1)
+    assert reads == ["tensorrt_llm_bls"]
+    client._build_inputs(Request("hello"), stream=True)
+    assert reads == ["tensorrt_llm_bls"]

@@ -128,7 +128,8 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print,
     results: Results = {arm: {} for arm in urls}
     try:
         for pool in clients.values():  # warm-up: first requests pay one-off costs
-            pool[0].wait_ready()
+            for client in pool:
+                client.wait_ready()  # each client reads the model's config now, not inside its first timed request
             pool[0].generate(Request(plan.prompts[0], max_tokens=4), stream=True)
         reference = list(urls)[-1]
         if solo and plan.levels[0] != 1:
