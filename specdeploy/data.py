@@ -92,13 +92,17 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
 
 @lru_cache(maxsize=2)
 def _conversations(split: str) -> tuple[tuple[dict[str, str], ...], ...]:
-    """Conversations of a split that start with a user turn (system turns dropped)."""
+    """Conversations of a split that start with a user turn (system turns dropped). The split
+    hashes ids, and ShareGPT holds the same prompt (even the same conversation) under several:
+    a train conversation that opens with a held-out one's prompt is left out, so nothing trained
+    on answers a prompt that measures the module."""
+    heldout = {c[0]["content"] for c in _conversations("heldout")} if split == "train" else set()
     out = []
     for record in sharegpt_records():
         if split_of(record.get("id", "")) != split:
             continue
         turns = [t for t in _messages(record) if t["role"] != "system"]
-        if turns and turns[0]["role"] == "user":
+        if turns and turns[0]["role"] == "user" and turns[0]["content"] not in heldout:
             out.append(tuple(turns))
     return tuple(out)
 
@@ -117,11 +121,8 @@ def sharegpt_conversations(n: int | None = None, split: str = "train", seed: int
 
 @lru_cache(maxsize=2)
 def _prompts(split: str) -> tuple[str, ...]:
-    """Distinct first user turns; a text that also opens a held-out conversation ("hi") is
-    held-out only, so the two splits share no prompt."""
-    exclude = set(_prompts("heldout")) if split == "train" else set()
-    firsts = dict.fromkeys(c[0]["content"] for c in _conversations(split))  # ordered, distinct
-    return tuple(text for text in firsts if text not in exclude)
+    """Distinct first user turns; the two splits share none (`_conversations`)."""
+    return tuple(dict.fromkeys(c[0]["content"] for c in _conversations(split)))  # ordered, distinct
 
 
 def sharegpt_prompts(n: int | None = None, split: str = "train", seed: int = 0, *, max_chars: int | None = None) -> list[str]:

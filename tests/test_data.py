@@ -35,6 +35,15 @@ def test_train_and_heldout_are_disjoint():
     assert data.split_of("QWJhYvA_0") == data.split_of("QWJhYvA_1")
 
 
+def test_no_train_conversation_answers_a_held_out_prompt():
+    """ShareGPT holds one prompt (even one conversation) under several ids, and the split hashes
+    ids: the teacher-forced reads must not train on what verify and `spec validate` measure."""
+    heldout = {c[0]["content"] for c in data.sharegpt_conversations(split="heldout")}
+    train = data.sharegpt_conversations(split="train")
+    assert len(train) > 1000 and len(heldout) > 100
+    assert not [c for c in train if c[0]["content"] in heldout]
+
+
 def test_max_chars_and_bad_arguments():
     assert all(len(p) <= 100 for p in data.sharegpt_prompts(50, max_chars=100))
     with pytest.raises(SpecDeployError, match="unknown split"):

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from specdeploy.speculator import distill as distill_mod
 from specdeploy.speculator.distill import cache_key, distill
-from specdeploy.speculator.shards import ShardedData
+from specdeploy.speculator.shards import ShardedData, within_sample
 from specdeploy.speculator.train import TrainSettings, data_layers, train
 from tests.tiny import make_llama
 
@@ -97,3 +97,12 @@ def test_ranks_list_the_missing_shards_before_any_is_made(tiny_llama_dir, tmp_pa
         distill(tiny_llama_dir, num_prompts=8, max_new_tokens=16, layers=data_layers(2), batch_size=4, device="cpu",
                 parallel=TwoRanks(rank=0, world=2))
     assert events[0] == "barrier" and events[1].startswith("make") and events[2] == "barrier", events
+
+
+def test_a_loss_term_reads_only_positions_of_its_own_sample():
+    """Two samples packed in one window: 0-3 and 4-6 (valid is False at each sample's last position)."""
+    valid = torch.tensor([[True, True, True, False, True, True, False]])
+    # EAGLE with one TTT step: the base at i and the draft at i - 1
+    assert within_sample(valid, 1, itself=True).tolist() == [[False, True, True, False, False, True, False]]
+    # DFlash with blocks of 2: the labels i whose two predecessors lie in i's sample; each sample's end is a label
+    assert within_sample(valid, 2, itself=False).tolist() == [[False, False, True, True, False, False, True]]

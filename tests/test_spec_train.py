@@ -96,6 +96,20 @@ def test_resume_continues_where_it_stopped(tiny_llama_dir, data, tmp_path):
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-3)
 
 
+def test_a_longer_run_starts_over_instead_of_resuming_a_shorter_ones_schedule(tiny_llama_dir, data, tmp_path):
+    """The learning rate follows the step count: continuing a finished 4-step run to 6 steps would
+    make a module no fresh 6-step run makes, under the same recorded settings."""
+    settings = dict(kind="eagle", checkpoint_every=2, **TINY)
+    train(tiny_llama_dir, tmp_path / "a", TrainSettings(steps=4, **settings), ckpt_dir=tmp_path / "ck", data=data, device="cpu")
+    longer = train(tiny_llama_dir, tmp_path / "b", TrainSettings(steps=6, **settings), ckpt_dir=tmp_path / "ck", data=data,
+                   device="cpu")
+    fresh = train(tiny_llama_dir, tmp_path / "c", TrainSettings(steps=6, **settings), data=data, device="cpu")
+    assert longer["steps"] == 6
+    a = load_file(str(tmp_path / "b" / "module.safetensors"))
+    b = load_file(str(tmp_path / "c" / "module.safetensors"))
+    assert all(torch.equal(a[key], b[key]) for key in a)
+
+
 def test_save_load_round_trip_gives_identical_proposals(tiny_llama_dir, data, tmp_path):
     spec_dir = tmp_path / "spec"
     train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=3, **TINY), data=data, device="cpu")

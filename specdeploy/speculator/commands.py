@@ -3,7 +3,7 @@
 The stage trains into build/<name>/spec/ (see specdeploy.speculator for the folder's contract) on the
 device it is given (`--device auto|cpu|cuda|cuda:N`), with the preset sized to that device and
 the base (spec.presets). Its resumable checkpoint lives beside it in build/<name>/.spec.ckpt/<base>/, so
-an interrupted or longer rerun continues where the last one stopped instead of starting over.
+an interrupted rerun continues where the last one stopped instead of starting over.
 Under torchrun / accelerate launch the training is data-parallel (speculator.parallel).
 """
 

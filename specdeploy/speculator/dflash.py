@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specdeploy.runtime.proposers.dflash import DEFAULT_BLOCK_SIZE, modelopt_config as runtime_config
+from specdeploy.speculator.shards import within_sample
 from specdeploy.checkpoints.modules import eagle as eagle_spec
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "target_layer", "hidden_layers", "modelopt_config", "online_config", "mask_token_id",
@@ -89,10 +90,14 @@ def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int) -
         "aux_hidden_states": torch.cat([hidden[i].float() for i in layers], dim=-1),
         "base_model_logits": last.to(model._base_model_lm_head.weight.dtype) @ model._base_model_lm_head.weight.T,
     }
+    # ModelOpt draws anchors where loss_mask is set and scores label i (teacher: the base at i - 1)
+    # where loss_mask[i]: the block_size positions before i in i's sample keep a block and the
+    # anchor's context inside one sample, and a sample's last token (its end) is a label too
+    loss_mask = within_sample(batch["valid"], model.dflash_block_size, itself=False)
     out = model(
         input_ids=batch["tokens"],
         attention_mask=torch.ones_like(batch["tokens"]),
-        loss_mask=batch["valid"].float(),
+        loss_mask=loss_mask.float(),
         base_model_outputs=outputs,
     )
     return out.loss, [float(a) for a in out.train_acc[0]]

@@ -30,7 +30,7 @@ from specdeploy.speculator.parallel import Parallel
 from specdeploy.runtime.types import model_device
 from specdeploy.speculator.shards import INFO_FILE, DistillData, ShardedData, save
 
-DATA_VERSION = 3  # 3: prompts encoded as served (specdeploy.prompts: one BOS, also for Llama-like tokenizers)
+DATA_VERSION = 4  # 3: prompts encoded as served (one BOS); 4: no train conversation opens with a held-out prompt
 MAX_PROMPT_TOKENS = 192
 TF_MAX_TOKENS = 384  # teacher-forced conversations are cut to this many tokens
 TF_BATCH = 8

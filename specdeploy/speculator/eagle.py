@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specdeploy.checkpoints.modules.eagle import checked_first_layer_norms
+from specdeploy.speculator.shards import within_sample
 
 
 def online_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -87,10 +88,13 @@ def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int, a
         "aux_hidden_states": torch.cat([hidden[i].float() for i in aux_layers], dim=-1),
         "base_model_logits": draft_logits(model, hidden[last_layer]),
     }
+    # ModelOpt scores the draft at j (TTT step k: a chain from j - k) against the base at j + 1 where
+    # loss_mask[j + 1]: every position of that chain must lie in one sample of the packed window
+    loss_mask = within_sample(batch["valid"], model.eagle_ttt_steps, itself=True)
     out = model(
         input_ids=batch["tokens"],
         attention_mask=torch.ones_like(batch["tokens"]),
-        loss_mask=batch["valid"].long(),
+        loss_mask=loss_mask.long(),
         base_model_outputs=outputs,
     )
     return out.loss, [float(a) for a in out.train_acc[0]]

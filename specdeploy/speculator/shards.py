@@ -45,6 +45,18 @@ class DistillData:
         return int(self.valid.sum())
 
 
+def within_sample(valid: torch.Tensor, back: int, *, itself: bool) -> torch.Tensor:
+    """(rows, positions) bool over windows of packed samples: position i's `back` predecessors
+    (and i, with `itself`) are valid, so everything a loss term at i is computed from lies in i's
+    sample (valid[j] is False at a sample's last position, whose next token starts another)."""
+    mask = valid.clone() if itself else torch.ones_like(valid)
+    for offset in range(1, back + 1):
+        before = torch.zeros_like(valid)
+        before[:, offset:] = valid[:, :-offset]
+        mask &= before
+    return mask
+
+
 def save(data: DistillData, folder: Path) -> None:
     """Write a shard into a folder that is itself published atomically (distill._publish)."""
     from safetensors.torch import save_file

@@ -311,8 +311,9 @@ def _loop(model: Any, optimizer: Any, params: list, data: Data, settings: TrainS
 
 def _ckpt_state(settings: TrainSettings) -> dict[str, Any]:
     keep = asdict(settings)
-    for volatile in ("steps", "checkpoint_every"):
-        keep.pop(volatile)  # a longer run may resume a shorter one
+    # steps stay: the learning-rate schedule follows them, so a longer run resuming a shorter one
+    # would make a module no fresh run with its settings makes
+    keep.pop("checkpoint_every")
     return keep
 
 
