@@ -83,6 +83,9 @@ def test_a_moved_build_stays_complete_and_a_draft_changed_in_place_is_converted_
     moved = Path(shutil.copytree(tmp_path / "here", tmp_path / "elsewhere" / "build"))
     again = _engine(long_context_model, moved, "none", *args)
     assert again.returncode == 0 and again.stdout.count("complete (skipped)") == len(STAGES), again.stdout[-3000:]
+    for engine in ("vllm", "sglang"):  # their draft is the carried one, wherever the build is mounted
+        serve = (moved / "triton_repo" / engine / "serve.sh").read_text()
+        assert "$BUILD_DIR/trtllm_ckpt/draft_model" in serve and "/$BUILD_DIR" not in serve
 
     weights = load_file(draft / "model.safetensors")
     (draft / "model.safetensors").unlink()  # a new fine-tune written in the draft's place

@@ -283,6 +283,8 @@ def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(ma
     assert tensors(draft) == tensors(engine["tensorrt_llm"])
     assert param(draft, "gpt_model_path") == "$BUILD_DIR/engines/draft"
     assert param(engine["tensorrt_llm"], "enable_kv_cache_reuse") == "true"
+    # NVIDIA's BLS calls both models non-decoupled: a decoupled one refuses that call
+    assert not any(engine[name].model_transaction_policy.decoupled for name in ("tensorrt_llm", "tensorrt_llm_draft", "tensorrt_llm_bls"))
     route = gpu_routes(build)["routes"]["engine"]
     assert route["model"] == "tensorrt_llm_bls" and route["request"] == {"num_draft_tokens": 3} and route["stream"] is False
     assert "num_draft_tokens" in (out / "README.md").read_text() and "does not stream" in (out / "README.md").read_text()

@@ -21,6 +21,10 @@ BLS_CONTAINER_DIR = "/app/all_models/inflight_batcher_llm/tensorrt_llm_bls/1"
 def write_engine_repo(out: Path, kind: str, tree: ChoicesTree | None, engines: str, tokenizer_dir: str, limits: BuildLimits, *,
                       max_batch_size: int, kv_cache_free_gpu_mem_fraction: float, decoupled: bool) -> dict[str, Any]:
     """The inflight_batcher_llm set for the C++ tensorrtllm backend; returns the values used."""
+    # draft-target: NVIDIA's BLS calls tensorrt_llm and tensorrt_llm_draft with exec(decoupled=False),
+    # which the Python backend refuses for a decoupled model (python_backend src/request_executor.cc);
+    # NVIDIA's draft_target_model example fills every model with decoupled_mode False
+    decoupled = decoupled and kind != "draft"
     values = {
         **common_values(tokenizer_dir, limits, max_batch_size, decoupled),
         "triton_backend": "tensorrtllm",

@@ -32,9 +32,9 @@ def write_gpu_routes(tmp: Path, build: BuildDir, kind: str, converted: dict[str,
                      model_dir: Path) -> dict[str, Any]:
     """The package stage's last writer: tmp/{vllm,sglang}/ (engines.routes), tmp/gpu_routes.json and
     tmp/README.md, as they will be once tmp is published as build/<name>/triton_repo."""
-    draft = settings.get("draft_model_dir")
+    draft = settings.get("draft_model_dir")  # $BUILD_DIR/... for the draft the build carries
     engines = write_engine_routes(tmp, build, kind, structure, model_dir=model_dir, published=build.root.resolve() / OUT,
-                                  draft_model=Path(draft) if draft else None, tp=(converted or {}).get("tp_size", 1),
+                                  draft_model=Path(resolve(draft, build.root)) if draft else None, tp=(converted or {}).get("tp_size", 1),
                                   pp=(converted or {}).get("pp_size", 1))
     routes = routes_json(kind, converted, structure, settings, knobs, engines=engines)
     atomic_write_json(tmp / ROUTES_FILE, routes)
