@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 # exit codes (build_scripts/README.md); a failed verify passes its own (1) through
-EXIT_USAGE = 2  # bad arguments, no gpu_routes.json or one without "release", a port in use
+EXIT_USAGE = 2  # bad arguments, no gpu_routes.json or one without "release", a port in use, BLS_GRPC_PORT
 EXIT_NO_RUNTIME = 3  # neither NVIDIA's stack here nor docker
 EXIT_NO_ROUTE = 5  # the build has no TensorRT-LLM route (of that name)
 EXIT_MULTI_GPU = 6  # tp x pp > 1: assemble only
@@ -43,6 +43,8 @@ EXIT_VERSION = 8  # the image's TensorRT-LLM is another release line than the bu
 EXIT_NO_IMAGE = 9  # the build names no image for its release and none was given
 EXIT_PYTHON = 10  # no Python that can run `specdeploy verify`
 EXIT_SERVER = 11  # the server exited, or was not ready in time
+
+BLS_GRPC_PORT = 8001  # where NVIDIA's BLS model reads the other models' configs (check_bls_port)
 
 EPILOG = f"""exit codes: 0 verified; 1 verify failed (parity, acceptance); {EXIT_USAGE} usage, no gpu_routes.json (or one
 without "release"), a port in use; {EXIT_NO_RUNTIME} neither NVIDIA's stack nor docker; {EXIT_NO_ROUTE} no such route;
@@ -361,6 +363,16 @@ def check_python(host: Host) -> None:
                                "-e .[cpu]`), or point SPECDEPLOY_PYTHON at a Python that has it")
 
 
+def check_bls_port(entry: dict, ports: Ports) -> None:
+    """Draft-target on the engine route runs in NVIDIA's BLS model, which reads the target's and the
+    draft's configs over gRPC at localhost:8001, hard-coded (NVIDIA/TensorRT-LLM PR #9453, in the
+    container's tensorrt_llm_bls/1/model.py from early 2026): another gRPC port fails every request."""
+    if entry["model"] == "tensorrt_llm_bls" and ports.grpc != BLS_GRPC_PORT:
+        raise Refusal(EXIT_USAGE, f"GRPC_PORT={ports.grpc}: the engine route's draft-target runs in NVIDIA's BLS "
+                                  f"model, which reads the models' configs over gRPC at localhost:{BLS_GRPC_PORT}; "
+                                  f"leave GRPC_PORT at {BLS_GRPC_PORT} (or free that port)")
+
+
 def check_ports(ports: Ports) -> None:
     """A server already on these ports would answer the readiness poll in place of ours."""
     for port in ports.all():
@@ -610,6 +622,8 @@ def make_host(args: argparse.Namespace) -> Host:
     mount = args.mount or (str(build) if here or args.mode == "assemble" else MOUNT)
     ports = Ports(*(int(os.environ.get(name, default)) for name, default in
                     (("HTTP_PORT", 8000), ("GRPC_PORT", 8001), ("METRICS_PORT", 8002))))
+    if args.mode != "assemble":  # assembling serves nothing
+        check_bls_port(routes["routes"][route], ports)
     return Host(build, Path(__file__).resolve().parents[1], routes, route, image, mount, ports, args.ready_timeout, args.device)
 
 

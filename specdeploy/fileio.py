@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """A hard link (free, the same bytes), a copy across file systems. A writer replaces a linked
+    file (atomic_write_*), so the source is never written through."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def link_folder(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """A copy of a folder's files (an HF model folder), hard-linked where the file system allows."""
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    for item in Path(src).iterdir():
+        if item.is_file():
+            link_or_copy(item, Path(dst) / item.name)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -359,7 +359,11 @@ def test_dry_run_prints_the_plan_in_order_without_installing_anything(tmp_path, 
 
 def test_dry_run_engine_route_builds_engines_and_takes_the_bls_code(tmp_path, tiny_llama_dir, tiny_draft_dir):
     build = with_release(packaged(tmp_path / "b", tiny_llama_dir, "draft", draft_model=str(tiny_draft_dir), max_draft_len=3).root.resolve())
-    done = gpu_host("--dry-run", "--route", "engine", str(build), env=stubs(tmp_path))
+    env = stubs(tmp_path)
+    # NVIDIA's BLS reads the other models' configs over gRPC at localhost:8001: another port is refused
+    done = gpu_host("--dry-run", "--route", "engine", str(build), env={**env, "GRPC_PORT": "18001"})
+    assert done.returncode == 2 and "GRPC_PORT=18001" in done.stderr and "localhost:8001" in done.stderr
+    done = gpu_host("--dry-run", "--route", "engine", str(build), env={**env, "GRPC_PORT": "8001"})
     assert done.returncode == 0, done.stderr
     out = done.stdout
     engines = (f"-v {build}:/build -e HF_HUB_OFFLINE=1 -e TRANSFORMERS_OFFLINE=1 -e CKPT_DIR=/build/trtllm_ckpt "

@@ -37,7 +37,7 @@ from specdeploy.quantize import stage as quantize_stage
 from specdeploy.speculator.train import TrainSettings, train
 from specdeploy.triton import stage
 from specdeploy.trtllm import build as trt_build
-from specdeploy.trtllm import convert, draft_folders, releases, spec_input
+from specdeploy.trtllm import convert, draft_folders, llmapi, releases, spec_input
 from tests.oracle import TRANSFORMERS, oracle_venv
 from tests.test_trtllm_llmapi import dflash_spec
 from tests.tiny import make_tokenizer
@@ -127,6 +127,8 @@ def folders(tmp_path_factory) -> dict[str, dict[str, Path]]:
         draft_target = root / "draft_target"
         convert.convert_routes(build.path("quantized"), draft_target, spec_input.load_spec(None, kind="draft", draft_model=draft),
                                route="llmapi", root=root)
+        plain = root / "plain"  # the unquantized float32 base on the LLM-API route: its bfloat16 copy
+        convert.convert_routes(build.path("base"), plain, spec_input.load_spec(None, kind="none"), route="llmapi", root=root)
         dflash_spec(build.path("base"), root / "dflash_spec")
         dflash = draft_folders.dflash_draft(root / "dflash_spec", root / "dflash")
     ckpt = build.path("trtllm_ckpt")
@@ -134,12 +136,14 @@ def folders(tmp_path_factory) -> dict[str, dict[str, Path]]:
         "source": {"base": model, "draft_model": draft},
         "written": {"base": build.path("base"), "quantized": build.path("quantized"),
                     "eagle3_draft": ckpt / "llmapi" / draft_folders.DRAFT_FOLDER, "dflash_draft": dflash,
-                    "draft_model": draft_target / convert.DRAFT_MODEL, "triton_tokenizer": cpu_tokenizer_dir(build)},
+                    "draft_model": draft_target / convert.DRAFT_MODEL, "triton_tokenizer": cpu_tokenizer_dir(build),
+                    "model_bf16": plain / "llmapi" / llmapi.HALF_TARGET,
+                    "draft_model_bf16": draft_target / "llmapi" / llmapi.HALF_DRAFT},
     }
 
 
 def request_for(found: dict[str, Path]) -> dict[str, Any]:
-    tokenizers = ("base", "quantized", "draft_model", "triton_tokenizer")
+    tokenizers = ("base", "quantized", "draft_model", "triton_tokenizer", "model_bf16", "draft_model_bf16")
     return {
         "configs": {name: str(path) for name, path in found.items() if name != "triton_tokenizer"},
         "tokenizers": {name: str(found[name]) for name in tokenizers if name in found},
@@ -220,8 +224,9 @@ def test_written_folders_read_as_their_sources_in_our_venv(ours):
 
 def test_drafters_are_in_the_deployment_dtype(folders, ours):
     """bfloat16 by default, not ModelOpt's float32 export (TensorRT-LLM's kernels mostly lack fp32);
-    integer tensors (EAGLE-3's d2t vocabulary map) stay as they are."""
-    for name in ("eagle3_draft", "dflash_draft"):
+    integer tensors (EAGLE-3's d2t vocabulary map) stay as they are. So are a float32 target's and
+    draft model's copies on the LLM-API route (read alike by the release's transformers above)."""
+    for name in ("eagle3_draft", "dflash_draft", "model_bf16", "draft_model_bf16"):
         with safe_open(str(folders["written"][name] / "model.safetensors"), "pt") as weights:
             dtypes = {weights.get_tensor(k).dtype for k in weights.keys()}
         assert {d for d in dtypes if d.is_floating_point} == {torch.bfloat16}, (name, dtypes)

@@ -192,6 +192,30 @@ def test_perf_outputs_ride_on_every_response_with_the_runtime_counts(server, dec
     assert total >= accepted > 0 and rate == pytest.approx(accepted / total)
 
 
+def test_token_counts_are_returned_as_trtllm_counts_them(server, decoder, greedy):
+    """return_num_input_tokens / return_num_output_tokens (what Triton's OpenAI frontend asks for its
+    usage): the prompt's tokens, and the token ids of each response, on that response only when asked."""
+    ids = prompt_ids(decoder)
+    counts = {"return_num_input_tokens": np.bool_(True), "return_num_output_tokens": np.bool_(True)}
+
+    def count(result, name: str) -> int:
+        value = result.as_numpy(name)
+        assert value is not None and value.shape == (1, 1), (name, value)
+        return int(value[0][0])
+
+    responses = stream(server, "tensorrt_llm", ids_request(ids, streaming=np.bool_(True), **counts))
+    assert all(count(r, "num_input_tokens") == len(ids) for r in responses)
+    assert [count(r, "num_output_tokens") for r in responses] == [int(r.as_numpy("sequence_length")[0][0]) for r in responses]
+    assert sum(count(r, "num_output_tokens") for r in responses) == len(greedy)
+    whole = stream(server, "tensorrt_llm", ids_request(ids, **counts))[-1]  # the prompt is repeated: counted too
+    assert count(whole, "num_output_tokens") == len(ids) + len(greedy)
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        answer = stream(server, model, text_request(**counts))[-1]
+        assert (count(answer, "num_input_tokens"), count(answer, "num_output_tokens")) == (len(ids), len(greedy)), model
+        plain = stream(server, model, text_request())[-1]
+        assert plain.as_numpy("num_input_tokens") is None and plain.as_numpy("num_output_tokens") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # TensorRT-LLM's request semantics
 

@@ -142,6 +142,13 @@ def check_ensemble_wiring(configs: dict[str, mc.ModelConfig]) -> None:
         assert produced[out.name] == out.data_type, f"ensemble output {out.name}: dtype mismatch"
 
 
+def weight_dtypes(folder: Path) -> set:
+    """The floating dtypes of a model folder's safetensors weights."""
+    from safetensors.torch import load_file
+
+    return {t.dtype for f in folder.glob("*.safetensors") for t in load_file(str(f)).values() if t.is_floating_point()}
+
+
 def tensors(config: mc.ModelConfig) -> tuple[list, list]:
     def sig(ts):
         return [(t.name, t.data_type, list(t.dims), getattr(t, "optional", False)) for t in ts]
@@ -271,6 +278,27 @@ def split_like_fill_template(args: str) -> dict[str, str]:
     return result
 
 
+def test_engine_repo_declares_what_nvidias_bls_asks_of_each_model(make, tiny_draft_dir):
+    # Triton refuses a BLS request naming an output (or input) the called model does not declare:
+    # every name NVIDIA's BLS code asks for (its own lists, tests/data) is in the filled configs
+    asked = json.loads((Path(__file__).parent / "data" / "nvidia_bls_requests.json").read_text())
+    build = make("draft", max_draft_len=3)
+    engine = load_repo(stage.run(build, spec="draft", max_draft_len=3) / "engine")
+
+    def names(config: mc.ModelConfig, kind: str) -> set[str]:
+        return {tensor.name for tensor in getattr(config, kind)}
+
+    assert set(asked["preprocessing_outputs"]) <= names(engine["preprocessing"], "output")
+    for model in ("tensorrt_llm", "tensorrt_llm_draft"):
+        assert set(asked["llm_outputs"]) <= names(engine[model], "output"), model
+        assert set(asked["llm_inputs"]) <= names(engine[model], "input"), model
+    assert set(asked["postprocessing_inputs"]) <= names(engine["postprocessing"], "input")
+    assert set(asked["postprocessing_outputs"]) <= names(engine["postprocessing"], "output")
+    # and a client asking the BLS for the token counts gets them passed on
+    assert {"return_num_input_tokens", "return_num_output_tokens"} <= names(engine["tensorrt_llm_bls"], "input")
+    assert {"num_input_tokens", "num_output_tokens"} <= names(engine["tensorrt_llm_bls"], "output")
+
+
 def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(make, tiny_draft_dir):
     build = make("draft", max_draft_len=3)
     out = stage.run(build, spec="draft", max_draft_len=3)
@@ -288,11 +316,14 @@ def test_draft_target_goes_through_bls_with_num_draft_tokens_and_no_streaming(ma
     route = gpu_routes(build)["routes"]["engine"]
     assert route["model"] == "tensorrt_llm_bls" and route["request"] == {"num_draft_tokens": 3} and route["stream"] is False
     assert "num_draft_tokens" in (out / "README.md").read_text() and "does not stream" in (out / "README.md").read_text()
-    # the LLM API drafts the same 3 tokens from the draft model the build carries
+    # the LLM API drafts the same 3 tokens from the draft model the build carries, in bfloat16: the tiny
+    # draft is float32, which the PyTorch backend's kernels lack (the engine flow and the CPU keep it)
     spec = model_yaml(out)["speculative_config"]
     assert spec == {"decoding_type": "Draft_Target", "max_draft_len": 3,
-                    "speculative_model": "$BUILD_DIR/trtllm_ckpt/draft_model"}
+                    "speculative_model": "$BUILD_DIR/trtllm_ckpt/llmapi/draft_model_bf16"}
     carried = build.path("trtllm_ckpt") / "draft_model"
+    assert weight_dtypes(build.path("trtllm_ckpt") / "llmapi" / "draft_model_bf16") == {torch.bfloat16}
+    assert weight_dtypes(carried) == {torch.float32}
     assert (carried / "model.safetensors").read_bytes() == (tiny_draft_dir / "model.safetensors").read_bytes()
     # its config written for the release's transformers too (hfcompat): what it had, and the 4.x spellings
     original, written = (json.loads((d / "config.json").read_text()) for d in (tiny_draft_dir, carried))
@@ -340,7 +371,8 @@ def test_llmapi_model_yaml_is_one_writer_that_honours_the_converted_tp(make):
     config = model_yaml(out)
     assert config["backend"] == "pytorch" and config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     assert config["tensor_parallel_size"] == 2 and config["pipeline_parallel_size"] == 1
-    assert config["model"] == "$BUILD_DIR/base" and config["max_seq_len"] == 256  # the tiny model's context
+    # the tiny model is float32: the PyTorch backend gets its bfloat16 copy (trtllm/half_folder.py)
+    assert config["model"] == "$BUILD_DIR/trtllm_ckpt/llmapi/model_bf16" and config["max_seq_len"] == 256
     assert config["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9}
     assert config["speculative_config"]["decoding_type"] == "NGram" and config["disable_overlap_scheduler"] is True
     serve = yaml.safe_load((out / "llmapi" / "trtllm_serve.yaml").read_text())

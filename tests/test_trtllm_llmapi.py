@@ -145,12 +145,44 @@ def test_draft_target_carries_its_draft_model_in_the_build(tiny_llama_dir, tiny_
     spec = spec_input.load_spec(None, kind="draft", draft_model=tiny_draft_dir, max_draft_len=3)
     summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec, route="llmapi", root=tmp_path)
     options = yaml.safe_load((tmp_path / "out" / "llmapi" / "speculative_config.yaml").read_text())
+    # the carried draft as it is (the engine flow's and the CPU's), the LLM API's in bfloat16 (it is float32)
     assert options == {"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 3,
-                                              "speculative_model": "$BUILD_DIR/out/draft_model"},
+                                              "speculative_model": "$BUILD_DIR/out/llmapi/draft_model_bf16"},
                        "disable_overlap_scheduler": True}
     assert summary["draft_model"] == "$BUILD_DIR/out/draft_model" and summary["engine_flow"] is False
     assert (tmp_path / "out" / "draft_model" / "model.safetensors").read_bytes() == (tiny_draft_dir / "model.safetensors").read_bytes()
     assert summary["llmapi"]["structure"] == {"mode": "chain", "max_draft_len": 3}
+
+
+def test_a_float32_model_gets_a_bfloat16_copy_on_the_llmapi_route(tiny_llama_dir, tmp_path):
+    """TensorRT-LLM's PyTorch backend takes the dtype from config.json and its kernels lack float32
+    (#5260): the route names a bfloat16 copy that transformers reads as the same model, rounded."""
+    from transformers import AutoModelForCausalLM
+
+    source = (tiny_llama_dir / "model.safetensors").read_bytes()
+    summary = convert.convert_routes(tiny_llama_dir, tmp_path / "out", spec_input.load_spec(None, kind="none"),
+                                     route="llmapi", root=tmp_path)
+    half = tmp_path / "out" / "llmapi" / "model_bf16"
+    assert summary["llmapi"]["model"] == "$BUILD_DIR/out/llmapi/model_bf16"
+    assert {p.name for p in tiny_llama_dir.iterdir() if p.is_file()} <= {p.name for p in half.iterdir()}
+    ids = torch.tensor([[1, 17, 60, 2, 201, 33]])
+    with torch.inference_mode():
+        full = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+        copy = AutoModelForCausalLM.from_pretrained(half).eval()  # in the dtype its config declares
+        assert copy.dtype == torch.bfloat16 and full.dtype == torch.float32
+        for name, weight in full.state_dict().items():
+            assert torch.equal(copy.state_dict()[name], weight.to(torch.bfloat16)), name
+        scale = full(ids).logits.abs().max()
+        torch.testing.assert_close(copy(ids).logits.float(), full(ids).logits, rtol=0, atol=0.05 * float(scale))
+    assert (tiny_llama_dir / "model.safetensors").read_bytes() == source  # hard-linked, never written through
+    # a bfloat16 model is named as it is
+    (tmp_path / "bf16").mkdir()
+    AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tiny_llama_dir / name, tmp_path / "bf16" / name)
+    summary = convert.convert_routes(tmp_path / "bf16", tmp_path / "out2", spec_input.load_spec(None, kind="none"),
+                                     route="llmapi", root=tmp_path)
+    assert summary["llmapi"]["model"] == "$BUILD_DIR/bf16" and not (tmp_path / "out2" / "llmapi" / "model_bf16").exists()
 
 
 def _eagle3_spec(base: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -17,13 +17,11 @@ build directory is self-contained and its manifest hashes describe the real weig
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shutil
 from pathlib import Path
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import content_fingerprint
+from specdeploy.fileio import content_fingerprint, link_or_copy
 from specdeploy.hfcompat import write_compatible
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.resolve.bundled import ACCEPTED_FORMS, BUNDLED, resolve_bundled
@@ -66,14 +64,6 @@ def resolve_model_dir(spec: str, *, allow_pickle: bool = False, trust_remote_cod
     raise SpecDeployError(f"unknown model '{spec}'", hint=f"accepted forms: {ACCEPTED_FORMS}")
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hardlink (free, same bytes) and fall back to a copy across file systems."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
     """Stage `resolve`: build/<name>/base/ holds the model as an HF safetensors folder."""
     source = resolve_model_dir(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
@@ -85,7 +75,7 @@ def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = Fal
     with build.stage(STAGE, OUT, settings) as tmp:
         for src in sorted(source.iterdir()):
             if src.is_file() and src.suffix in KEEP_SUFFIXES and not src.name.startswith("."):
-                _link_or_copy(src, tmp / src.name)
+                link_or_copy(src, tmp / src.name)
         write_compatible(tmp)  # the GPU host's older transformers loads base/ too (the tokenizer, the llmapi route)
     return build.path(OUT)
 

@@ -6,7 +6,9 @@ Output (build/<name>/trtllm_ckpt/):
     draft/...                                  engine flow, draft-target: the plain draft checkpoint
     */specdeploy.json                          what was converted from what (read back by reader.py)
     llmapi/                                    the LLM-API route (llmapi.py, draft_folders.py):
-                                               speculative_config.yaml, eagle3_draft/, llmapi_summary.json
+                                               speculative_config.yaml, eagle3_draft/, llmapi_summary.json,
+                                               model_bf16/ + draft_model_bf16/ for a float32 target / draft
+                                               (half_folder.py: the PyTorch backend lacks float32)
     draft_model/                               draft-target: the draft's HF folder, carried by the build
     convert_summary.json                       which routes this build has, and why not the others
 
@@ -21,19 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, content_fingerprint
+from specdeploy.fileio import atomic_write_json, content_fingerprint, link_folder
 from specdeploy.hfcompat import write_compatible
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.resolve.stage import KEEP_SUFFIXES
 from specdeploy.trtllm import llmapi, specmodules
 from specdeploy.trtllm.engine_checkpoint import convert_all, engine_refusal
+from specdeploy.trtllm.half_folder import needs_half, write_half
 from specdeploy.trtllm.hostpaths import build_path
 from specdeploy.trtllm.llmapi import DraftStructure
 from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, Release, release_for
@@ -48,8 +49,9 @@ from specdeploy.trtllm.spec_input import (
 STAGE, OUT = "convert", "trtllm_ckpt"
 DRAFT_MODEL = "draft_model"  # draft-target: the draft's HF folder, carried inside the build
 # What convert writes, versioned: a build converted by an older writer is converted again (2: the
-# configs named per release, drafters in bf16 and readable by the release's transformers)
-WRITER = 2
+# configs named per release, drafters in bf16 and readable by the release's transformers; 3: a
+# float32 target or draft in bf16 on the LLM-API route)
+WRITER = 3
 
 
 def _inputs(build: BuildDir) -> tuple[Path, tuple[str, ...]]:
@@ -58,17 +60,6 @@ def _inputs(build: BuildDir) -> tuple[Path, tuple[str, ...]]:
     if not (model / "config.json").exists():
         raise SpecDeployError(f"no model in {model}", hint="run `specdeploy resolve` (and `specdeploy quantize`) first")
     return model, consumes
-
-
-def link_folder(src: Path, dst: Path) -> None:
-    """A copy of an HF folder's files (hard links where the filesystem allows: no extra space)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for item in Path(src).iterdir():
-        if item.is_file():
-            try:
-                os.link(item, dst / item.name)
-            except OSError:
-                shutil.copy2(item, dst / item.name)
 
 
 def _quant_algos(model: Path) -> tuple[str | None, str | None]:
@@ -108,7 +99,7 @@ def convert_routes(model: Path, out: Path, spec: SpecInput, *, route: str = "aut
         summary.update(convert_all(model, out, tp=tp, pp=pp, spec=spec), engine_flow=True)
     if route != "engine" and not reasons["llmapi"]:
         if spec.kind == "draft":
-            spec = replace(spec, draft_dir=published / DRAFT_MODEL)
+            spec = replace(spec, draft_dir=_llmapi_draft(spec.draft_dir, out, published))
         summary["llmapi"] = llmapi.write_llmapi(model, out / "llmapi", spec=spec, structure=structure or DraftStructure(),
                                                 release=release, spec_dir=spec_dir, base_dir=base_dir, root=root,
                                                 published=published / "llmapi")
@@ -137,6 +128,15 @@ def _carry_draft(spec: SpecInput, out: Path, published: Path, root: Path | None)
     link_folder(spec.draft_dir, out / DRAFT_MODEL)
     write_compatible(out / DRAFT_MODEL)  # TensorRT-LLM loads it with its own, older transformers
     return replace(spec, draft_dir=out / DRAFT_MODEL), build_path(published / DRAFT_MODEL, root)
+
+
+def _llmapi_draft(carried: Path, out: Path, published: Path) -> Path:
+    """The draft the LLM-API route names, as it will be published: the carried one, or its bfloat16
+    copy where it is float32 (the PyTorch backend's kernels lack float32: half_folder.py)."""
+    if not needs_half(carried):
+        return published / DRAFT_MODEL
+    write_half(carried, out / "llmapi" / llmapi.HALF_DRAFT)
+    return published / "llmapi" / llmapi.HALF_DRAFT
 
 
 def run(build: BuildDir, *, tp: int = 1, pp: int = 1, route: str = "auto", kind: str | None = None,

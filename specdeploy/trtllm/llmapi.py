@@ -31,6 +31,7 @@ from typing import Any
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, atomic_write_text
 from specdeploy.trtllm.draft_folders import DFLASH_FOLDER, DRAFT_FOLDER, dflash_draft, eagle3_draft, first_layer_fields
+from specdeploy.trtllm.half_folder import needs_half, write_half
 from specdeploy.trtllm.hostpaths import build_path
 from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, RELEASES, Release
 
@@ -39,6 +40,7 @@ KINDS = ("eagle", "draft", "ngram", "dflash")  # what the LLM API speculates wit
 # As NGramDecodingConfig takes them, chosen to match the CPU runtime's prompt lookup: the
 # longest suffix of up to 3 tokens, the most recent continuation, one pool per request.
 NGRAM_DEFAULTS = {"max_matching_ngram_size": 3, "is_keep_all": True, "is_use_oldest": False, "is_public_pool": False}
+HALF_TARGET, HALF_DRAFT = "model_bf16", "draft_model_bf16"  # a float32 target / draft's bfloat16 copy
 MAX_RUNTIME_DEPTH = 8  # the CPU runtime's EAGLE proposer drafts at most this deep (runtime/proposers/eagle.py)
 
 
@@ -288,7 +290,11 @@ def write_llmapi(model_dir: str | Path, out: Path, *, spec: Any, structure: Draf
         spec_cfg = speculative_config(spec.kind, structure, release, draft=draft, layers_to_capture=capture,
                                       ngram=(spec.config or {}).get("ngram"), dflash=dflash)
     atomic_write_text(out / "speculative_config.yaml", yaml.safe_dump(llm_options(spec_cfg), sort_keys=False))
+    target = build_path(model_dir, root)
+    if needs_half(Path(model_dir)):  # the PyTorch backend cannot run float32 (half_folder.py)
+        write_half(Path(model_dir), out / HALF_TARGET)
+        target = build_path((published or out) / HALF_TARGET, root)
     summary = {"route": "llmapi", "kind": spec.kind, "release": release.name, "structure": structure.as_dict(),
-               "speculative_config": spec_cfg, "model": build_path(model_dir, root)}
+               "speculative_config": spec_cfg, "model": target}
     atomic_write_json(out / "llmapi_summary.json", summary)
     return summary

@@ -112,6 +112,7 @@ class Entry:
     request_id: str
     exclude_input: bool
     perf: bool
+    counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
     arrival_ns: int
     draft: list[int] | None  # draft_input_ids: the client's own draft tokens
     batch_index: int | None  # the row of a batched request (None: a request of one row)
@@ -137,7 +138,10 @@ class RequestReader:
         entry = Entry(
             sink=sink, prompt=prompt, params=params, request_id=inputs.request.request_id(),
             exclude_input=bool(inputs.scalar("exclude_input_in_output", self.exclude_input)),
-            perf=bool(inputs.scalar("return_perf_metrics", False)), arrival_ns=arrival_ns,
+            perf=bool(inputs.scalar("return_perf_metrics", False)),
+            counts=(bool(inputs.scalar("return_num_input_tokens", False)),
+                    bool(inputs.scalar("return_num_output_tokens", False))),
+            arrival_ns=arrival_ns,
             draft=self._draft(inputs), batch_index=batch_index,
         )
         entry.stream = Streamer(self.tokenizer, entry) if streaming else None

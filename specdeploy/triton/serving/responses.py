@@ -88,13 +88,20 @@ class Streamer:
 
 def outputs(entry: Entry, tokens: list[int], generated: int) -> list:
     """One response's tensors, in TRT-LLM's shapes: output_ids [1, beam 1, n], sequence_length
-    [1, 1], batch_index [1, 1] for a row of a batched request, the perf outputs [1, 1] each (when
-    asked for) as of `generated` new tokens."""
+    [1, 1], batch_index [1, 1] for a row of a batched request, the token counts [1, 1] and the perf
+    outputs [1, 1] each (when asked for), the latter as of `generated` new tokens."""
+    def one(name: str, value: int) -> object:
+        return pb_utils.Tensor(name, np.array([[value]], dtype=np.int32))
+
     ids = np.array(tokens, dtype=np.int32).reshape(1, 1, len(tokens))
-    tensors = [
-        pb_utils.Tensor("output_ids", ids),
-        pb_utils.Tensor("sequence_length", np.array([[len(tokens)]], dtype=np.int32)),
-    ]
+    tensors = [pb_utils.Tensor("output_ids", ids), one("sequence_length", len(tokens))]
     if entry.batch_index is not None:
-        tensors.append(pb_utils.Tensor("batch_index", np.array([[entry.batch_index]], dtype=np.int32)))
+        tensors.append(one("batch_index", entry.batch_index))
+    # as TensorRT-LLM's backend counts them (model_instance_state.cc): the prompt's tokens, and the
+    # token ids in this response's output_ids (the prompt's too where they are repeated)
+    count_input, count_output = entry.counts
+    if count_input:
+        tensors.append(one("num_input_tokens", len(entry.prompt)))
+    if count_output:
+        tensors.append(one("num_output_tokens", len(tokens)))
     return tensors + (perf_tensors(entry, generated) if entry.perf else [])
