@@ -21,9 +21,9 @@ from specdeploy.cli import main as cli_main
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
-from specdeploy.runtime.load_plan import suggested_spec_off_above
+from specdeploy.runtime.load_plan import LoadPoint, suggested_spec_off_above
 from specdeploy.triton import stage
-from specdeploy.triton.cpu_plan import LOAD_PAYS, PLAN_FILE, load_sizes
+from specdeploy.triton.cpu_plan import LOAD_PAYS, PLAN_FILE, load_sizes, load_summary
 from specdeploy.triton.cpu_repo import CPU_COUNTERS, CPU_MAX_BATCH_SIZE
 from specdeploy.triton.routes import gpu_routes, gpu_summary
 from specdeploy.triton.templating import backend_fill_args, fill
@@ -363,6 +363,18 @@ def test_the_cpu_batch_flags_reach_the_deployment(make, tmp_path):
     assert param(load_repo(out / "cpu")["tensorrt_llm"], "specdeploy_max_batch_size") == "3"
     with pytest.raises(SystemExit):  # argparse: a clear message, exit 2
         cli_main(["package", "--build-dir", str(tmp_path), "--spec-off-above", "-1"])
+
+
+def test_the_load_plan_summary_names_a_size_that_lost_below_one_that_paid():
+    def point(batch: int, speedup: float) -> LoadPoint:
+        return LoadPoint(batch, spec_tokens=int(speedup * 1000), spec_s=1.0, plain_tokens=1000, plain_s=1.0)
+
+    paid = [point(1, 1.21), point(2, 1.24), point(4, 1.10), point(8, 1.07)]
+    assert load_summary(paid, None).endswith("spec_off_above none (speculation paid at every size)")
+    noisy = [point(1, 1.21), point(2, 1.24), point(4, 0.94), point(8, 1.07)]  # as a default build measured it
+    assert load_summary(noisy, None).endswith(f"none (speculation paid at the largest size; below {LOAD_PAYS}x at 4, read as noise)")
+    assert "1: 1.21x, 2: 1.24x, 4: 0.94x, 8: 1.07x" in load_summary(noisy, None)
+    assert load_summary(noisy[:3], 2).endswith("spec_off_above 2")
 
 
 def test_llmapi_model_yaml_is_one_writer_that_honours_the_converted_tp(make):

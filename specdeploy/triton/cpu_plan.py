@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdeploy.fileio import atomic_write_json
 from specdeploy.trtllm.llmapi import DraftStructure
 from specdeploy.triton.cpu_repo import DEPLOYMENT_FILE
+
+if TYPE_CHECKING:
+    from specdeploy.runtime.load_plan import LoadPoint
 
 CPU_PLAN = 8  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
 PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
@@ -85,7 +88,18 @@ def plan_cpu_load(path: Path, max_batch_size: int) -> dict[str, Any]:
                                 sizes, max_draft=decoder.draft_len or DEFAULT_DRAFT_LEN)
     off_above = suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points], LOAD_PAYS)
     off_above = None if off_above is None else max(1, off_above)
-    curve = ", ".join(f"{p.batch}: {p.speedup:.2f}x" for p in points)
-    print(f"specdeploy package: CPU deployment, speculative over plain rounds by in-flight batch size: {curve}; "
-          f"spec_off_above {off_above if off_above is not None else 'none (speculation paid at every size)'}", file=sys.stderr)
+    print(f"specdeploy package: {load_summary(points, off_above)}", file=sys.stderr)
     return {"spec_off_above": off_above, "pays": LOAD_PAYS, "curve": [p.as_dict() for p in points]}
+
+
+def load_summary(points: list[LoadPoint], off_above: int | None) -> str:
+    """The load plan in one line: the curve, and spec_off_above with why. With none, a size that lost
+    lies below one that paid (break_even reads it as noise): named, not hidden under "every size"."""
+    curve = ", ".join(f"{p.batch}: {p.speedup:.2f}x" for p in points)
+    if off_above is not None:
+        verdict = str(off_above)
+    else:
+        lost = [str(p.batch) for p in points if p.speedup < LOAD_PAYS]
+        verdict = ("none (speculation paid at every size)" if not lost else
+                   f"none (speculation paid at the largest size; below {LOAD_PAYS}x at {', '.join(lost)}, read as noise)")
+    return f"CPU deployment, speculative over plain rounds by in-flight batch size: {curve}; spec_off_above {verdict}"
