@@ -6,6 +6,7 @@ read from NVIDIA's build.py / plugin.py; the snapshots are named there)."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from specdeploy.manifest import BuildDir
 from specdeploy.trtllm import build as trt_build
 from specdeploy.trtllm import convert, engine_checkpoint, releases, spec_input
 from specdeploy.trtllm.formats import SPECULATIVE_MODES
+from specdeploy.triton import stage
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = json.loads((ROOT / "tests" / "data" / "trtllm_build_flags.json").read_text())
@@ -95,7 +97,9 @@ def test_limits_never_exceed_the_models_context(tiny_llama_dir, tmp_path):
     plan = _plan(tmp_path / "ckpt")
     argv = _cmd(plan, "target")
     assert (_flag(argv, "--max_seq_len"), _flag(argv, "--max_input_len")) == ("256", "256")
-    assert plan["limits"]["max_seq_len"] == 256 and plan["limits"]["max_batch_size"] == 8
+    assert plan["limits"]["max_seq_len"] == 256
+    # the engines run as many sequences at once as the packaged repositories declare by default
+    assert plan["limits"]["max_batch_size"] == inspect.signature(stage.run).parameters["max_batch_size"].default == 64
     small = trt_build.make_plan(tmp_path / "ckpt", trt_build.BuildLimits(max_seq_len=100, max_input_len=200))
     assert (small["limits"]["max_seq_len"], small["limits"]["max_input_len"]) == (100, 100)
 

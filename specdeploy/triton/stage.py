@@ -34,6 +34,7 @@ from specdeploy.engines import sglang, vllm
 from specdeploy.device import check_device_spec
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
+from specdeploy.trtllm.build import GPU_MAX_BATCH_SIZE
 from specdeploy.trtllm.hostpaths import build_path
 from specdeploy.trtllm.llmapi import DraftStructure
 from specdeploy.triton import build_inputs
@@ -66,7 +67,7 @@ def run(
     dtype: str = "native",
     adaptive: bool = False,
     device: str = "auto",
-    max_batch_size: int = 64,
+    max_batch_size: int = GPU_MAX_BATCH_SIZE,
     cpu_max_batch_size: int = CPU_MAX_BATCH_SIZE,
     spec_off_above: int | None = None,
     cpu_draft_shape: str = "fixed",
@@ -191,7 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="draft model folder (spec=draft); default: the copy convert made, else spec/")
     parser.add_argument("--dtype", choices=SERVE_DTYPES, default="native", help=SERVE_DTYPE_HELP)
     parser.add_argument("--adaptive", action="store_true", help=ADAPTIVE_HELP)
-    parser.add_argument("--max-batch-size", type=int, default=64, help="engine/llmapi max batch size")
+    parser.add_argument("--max-batch-size", type=int, default=GPU_MAX_BATCH_SIZE,
+                        help=f"engine/llmapi max batch size (default {GPU_MAX_BATCH_SIZE}, as `specdeploy build` builds the engines)")
     add_cpu_deployment_args(parser, draft_shape="fixed")
     parser.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)
     parser.add_argument("--no-stream", action="store_true",

@@ -44,9 +44,14 @@ CONTAINER_HINT = ("on a GPU host, build_scripts/gpu_host.sh build/<name> builds 
                   "and verifies; or run build_scripts/build_engines.sh build/<name> (see build_scripts/README.md)")
 
 
+# Sequences a GPU deployment runs at once: the engines' --max_batch_size, the repositories'
+# max_batch_size and the LLM API's, one number, so neither route queues what the other would run
+GPU_MAX_BATCH_SIZE = 64
+
+
 @dataclass(frozen=True)
 class BuildLimits:
-    max_batch_size: int = 8
+    max_batch_size: int = GPU_MAX_BATCH_SIZE
     max_input_len: int = 1024
     max_seq_len: int = 2048
     max_num_tokens: int = 8192
