@@ -27,6 +27,24 @@ def _umask() -> int:
     return mask
 
 
+def shared_mode(path: str | os.PathLike) -> None:
+    """Give a file the read (and write) bits a plain open() would, under the umask: libraries that
+    write through mkstemp (transformers' save_pretrained writes model.safetensors 0600) otherwise
+    leave weights a server running as another user (a pod) cannot read. Execute bits are kept."""
+    mode = os.stat(path).st_mode & 0o7777
+    wanted = mode | (0o666 & ~_umask())
+    if wanted != mode:
+        os.chmod(path, wanted)
+
+
+def share_written(folder: str | os.PathLike) -> None:
+    """shared_mode on every file `folder` holds that was written there, not hard-linked from
+    elsewhere (a user's model folder keeps the modes its owner gave it)."""
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_nlink == 1:
+            shared_mode(path)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

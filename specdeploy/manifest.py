@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_json, cached_sha256
+from specdeploy.fileio import atomic_write_json, cached_sha256, share_written
 from specdeploy.quantize.formats import QUANT_FORMATS
 
 MANIFEST = "manifest.json"
@@ -143,6 +143,7 @@ class BuildDir:
         tmp.mkdir(parents=True)
         started = time.time()
         yield tmp
+        share_written(tmp)  # weights saved by transformers / ModelOpt come out 0600
         final = self.root / out_dir
         if final.exists():
             stale = self.root / f".{out_dir}.stale"

@@ -88,6 +88,45 @@ def test_pickle_conversion_is_keyed_on_content(tiny_llama_dir, tmp_path, cache):
     assert resolve.resolve_model_dir(str(folder), allow_pickle=True) != first
 
 
+def test_a_damaged_cache_entry_is_converted_again_and_shared(tiny_llama_dir, tmp_path, cache):
+    """An entry that lost its weights (a cleaner, a full disk) is replaced by a fresh conversion,
+    not kept over it; and the converted weights are readable by others as the umask allows
+    (transformers saves model.safetensors 0600), as is what a stage writes into the build."""
+    import os
+
+    folder = _pickle_folder(tiny_llama_dir, tmp_path / "pickled")
+    first = resolve.resolve_model_dir(str(folder), allow_pickle=True)
+    assert (first / "model.safetensors").stat().st_mode & 0o044 == 0o044 & ~_umask()
+    (first / "model.safetensors").unlink()
+    again = resolve.resolve_model_dir(str(folder), allow_pickle=True)
+    assert again == first and (again / "model.safetensors").is_file()
+    build = BuildDir(tmp_path / "build")
+    with build.stage("spec", "spec", {}) as tmp:
+        (tmp / "weights.bin").write_bytes(b"x")
+        os.chmod(tmp / "weights.bin", 0o600)
+    assert build.path("spec").joinpath("weights.bin").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def test_a_folder_without_a_tokenizer_is_refused_at_resolve(tiny_llama_dir, tmp_path):
+    """Every later stage needs the tokenizer: resolve says so (it used to pass, and quantize ended
+    in transformers' ValueError traceback)."""
+    folder = tmp_path / "weights_only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(tiny_llama_dir / name, folder / name)
+    with pytest.raises(SpecDeployError, match="has no tokenizer") as err:
+        resolve.run(BuildDir(tmp_path / "build"), str(folder))
+    assert str(folder) in str(err.value) and "tokenizer.json" in err.value.hint
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def test_a_pickle_draft_model_resolves_under_the_engines_allow_pickle(tiny_llama_dir, tmp_path, cache):
     """SPEC=draft resolves MODEL and DRAFT with the flags the user passed, as resolve does MODEL."""
     from specdeploy.pipeline import EngineOptions, _draft_dir

@@ -84,6 +84,21 @@ def test_quantizing_needs_reduced_precision(tmp_path, tiny_llama_dir):
         Q.run(build, "fp8", "fp8", dtype="float32", **FAST)
 
 
+@pytest.mark.parametrize("option", ["report_tokens", "report_prompts", "report_texts", "calib_size"])
+def test_counts_below_one_are_refused_before_calibrating(tmp_path, tiny_llama_dir, monkeypatch, option):
+    """The report runs after calibration and export: --report-tokens 0 used to fail only there, and
+    0 texts / prompts reported a perplexity of 1.000 over nothing."""
+    build = _build(tmp_path, tiny_llama_dir)
+    from specdeploy.quantize import stage as quantize_stage
+
+    monkeypatch.setattr(quantize_stage, "_quantize_into", lambda *a, **k: pytest.fail("calibrated before refusing"))
+    with pytest.raises(SpecDeployError, match=f"--{option.replace('_', '-')} must be at least 1"):
+        Q.run(build, "fp8", "fp8", **{**FAST, "report": True, option: 0})
+    if option != "calib_size":  # without the report its counts are not read
+        with pytest.raises(BaseException, match="calibrated before refusing"):
+            Q.run(build, "fp8", "fp8", **{**FAST, "report": False, option: 0})
+
+
 # ----------------------------------------------------------------------------- export + loader
 
 

@@ -12,9 +12,18 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False) -> Any:
+    """The folder's tokenizer; a folder without a readable one is a clear error, not transformers'
+    traceback (a weights-only folder passes resolve: a draft model may share its target's)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(Path(path), trust_remote_code=trust_remote_code)
+    from specdeploy.errors import SpecDeployError
+
+    try:
+        return AutoTokenizer.from_pretrained(Path(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise SpecDeployError(f"{path} has no tokenizer transformers can load ({type(err).__name__}: {str(err)[:200]})",
+                              hint="put the model's tokenizer files (tokenizer.json / tokenizer.model and "
+                                   "tokenizer_config.json) in the model folder and resolve it again") from err
 
 
 def checkpoint_dtype(model_dir: str | os.PathLike) -> str:

@@ -39,6 +39,13 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
     check_deploy_dtype(dtype, qformat, kv_cache)
     check_format(qformat, kv_cache, awq_block_size)  # before loading anything
     check_exclude_format(qformat, exclude or [])
+    counts = {"--calib-size": calib_size, "--calib-seq-len": calib_seq_len}
+    if report:  # refused before calibrating: the report runs last, after minutes of work
+        counts.update({"--report-prompts": report_prompts, "--report-tokens": report_tokens, "--report-texts": report_texts})
+    for flag, value in counts.items():
+        if value < 1:
+            raise SpecDeployError(f"{flag} must be at least 1, got {value}",
+                                  hint="--no-report skips the quality report" if flag.startswith("--report") else "")
     if build.record("resolve") is None:
         raise SpecDeployError(f"stage 'resolve' has not run in {build.root}", hint="run `specdeploy resolve` first")
     spec_dir = build.path("spec") if build.record("spec") else None

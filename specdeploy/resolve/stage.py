@@ -20,6 +20,7 @@ import argparse
 import re
 from pathlib import Path
 
+from specdeploy.checkpoints.hf import load_tokenizer
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import content_fingerprint, link_or_copy
 from specdeploy.hfcompat import write_compatible
@@ -67,6 +68,7 @@ def resolve_model_dir(spec: str, *, allow_pickle: bool = False, trust_remote_cod
 def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
     """Stage `resolve`: build/<name>/base/ holds the model as an HF safetensors folder."""
     source = resolve_model_dir(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    load_tokenizer(source, trust_remote_code=trust_remote_code)  # every later stage needs it: say so now
     # the files' content hashes (cached by size + mtime): new weights of the same size rerun the stage
     settings = {"model": model, "source": str(source.resolve()), "files": content_fingerprint(source, KEEP_SUFFIXES),
                 "trust_remote_code": trust_remote_code}
