@@ -97,6 +97,32 @@ def test_every_layout_imports_to_the_same_spec(kind, base, tmp_path):
         assert config["modelopt_config"]["dflash_mask_token_id"] == tm.MASK
 
 
+def test_an_imported_dflash_module_runs_with_its_rope_theta(base, tmp_path):
+    """z-lab's drafters run RoPE theta 1e6 (Qwen3); the module the CPU runtime loads from spec/ must
+    too, not Qwen3Config's 10000 (transformers 5 keeps the base's theta in rope_parameters, so the
+    base config's attribute it used to be copied from is absent)."""
+    from transformers import AutoConfig
+
+    from specdeploy.checkpoints.modules import load_module, read_spec_config
+
+    high = tmp_path / "base_1e6"
+    high.mkdir()
+    for file in base.iterdir():
+        if file.is_file():
+            (high / file.name).write_bytes(file.read_bytes())
+    config = json.loads((high / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    (high / "config.json").write_text(json.dumps(config))
+    source = write_layout("dflash", "dflash", tmp_path / "src", high)
+    zlab = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**zlab, "rope_theta": 1e6}))
+    build = imported(tmp_path / "build", high, "dflash", source)
+    spec = read_spec_config(build.path("spec"))
+    assert spec["modelopt_config"]["dflash_architecture_config"]["rope_theta"] == 1e6
+    module = load_module("dflash", AutoConfig.from_pretrained(high), spec["modelopt_config"], build.path("spec"))
+    assert module.config.rope_parameters["rope_theta"] == 1e6
+
+
 def _drafts(base: Path, spec_dir: Path, kind: str) -> tuple[list, list]:
     """Every draft proposed while decoding PROMPTS (float32), and the answers."""
     target = checkpoints.load_causal_lm(base, dtype="float32")

@@ -226,7 +226,10 @@ def modelopt_config(module: Module) -> dict[str, Any]:
     if module.kind == "dflash":
         return {"dflash_block_size": int(module.block_size), "dflash_mask_token_id": int(module.mask_token_id),
                 "dflash_use_torch_compile": False,
-                "dflash_architecture_config": {**module.arch, "target_layer_ids": list(module.layers)}}
+                # named, as the spec stage's training names it: modules.dflash_config otherwise takes the
+                # base config's attribute, which transformers 5 keeps in rope_parameters (Qwen3Config's 10000)
+                "dflash_architecture_config": {**module.arch, "rope_theta": module.rope_theta,
+                                               "target_layer_ids": list(module.layers)}}
     rope = {"rope_type": "default", **(module.rope_scaling or {}), "rope_theta": module.rope_theta}
     arch = {**module.arch, "draft_vocab_size": module.draft_vocab_size, "use_aux_hidden_state": True,
             "use_last_layernorm": True, "eagle_aux_hidden_state_layer_ids": list(module.layers),
@@ -282,9 +285,10 @@ def from_spec(spec_dir: Path) -> Module:
         return Module(hidden_size=int(head.shape[1]), **common)
     if kind == "dflash":
         arch = dict(modelopt["dflash_architecture_config"])
-        layers = arch.pop("target_layer_ids")
+        layers, theta = arch.pop("target_layer_ids"), arch.pop("rope_theta", None)
         return Module(hidden_size=int(tensors["fc.weight"].shape[0]), layers=list(layers), arch=arch,
-                      block_size=modelopt["dflash_block_size"], mask_token_id=modelopt["dflash_mask_token_id"], **common)
+                      rope_theta=None if theta is None else float(theta), block_size=modelopt["dflash_block_size"],
+                      mask_token_id=modelopt["dflash_mask_token_id"], **common)
     arch = modelopt["eagle_architecture_config"]
     norm_input, before_residual = first_layer_norms(arch)
     _, scaling = rope_of({"rope_scaling": arch.get("rope_scaling")})

@@ -31,7 +31,7 @@ from specdeploy.modules.module import Module
 
 STAGE = "spec"
 OUT = "spec"
-IMPORT_FORMAT = 1  # bump when the spec/ an import writes changes for the same input
+IMPORT_FORMAT = 2  # bump when the spec/ an import writes changes for the same input (2: DFlash names its rope_theta)
 GATE_FLOOR = 1.2  # a mis-loaded EAGLE-3 / DFlash head accepts almost nothing: ~1.0
 GATE_PROMPTS = 4  # held-out chat prompts (spec.validate's, as `spec validate` reads them)
 GATE_TOKENS = 48
