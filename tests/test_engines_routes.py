@@ -246,3 +246,72 @@ def test_the_shell_line_keeps_every_word_and_expands_only_the_build_dir():
     done = subprocess.run(["sh", "-c", f"printf '%s\\n' {line}"], capture_output=True, text=True,
                           env={"BUILD_DIR": "/mnt/x y", "HOME": "/h", "PATH": os.environ["PATH"]})
     assert done.stdout.splitlines() == [resolve(a, "/mnt/x y") for a in argv]
+
+
+# ------------------------------------------------------------------------------ SGLang's reading of the folder
+
+
+def _spec_of_trained(root: Path, base: Path, **options) -> Path:
+    """spec/ as the spec stage writes it for a module ModelOpt builds (untrained weights; the layer
+    norms made distinct so a dropped one shows)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from specdeploy.checkpoints.modules import build_module
+    from specdeploy.checkpoints.modules import eagle as modelopt_eagle
+
+    config = AutoConfig.from_pretrained(base)
+    modelopt = modelopt_eagle.modelopt_config(config, **options)
+    module = build_module("eagle", config, modelopt)
+    with torch.no_grad():
+        for i, layer in enumerate(module.layers):
+            layer.input_layernorm.weight.fill_(2.0 + i)
+    spec = root / "spec"
+    spec.mkdir(parents=True)
+    save_file({"eagle_module." + k: v.contiguous() for k, v in module.state_dict().items()}, str(spec / "module.safetensors"))
+    (spec / "spec_config.json").write_text(json.dumps({"format_version": 1, "kind": "eagle", "modelopt_config": modelopt,
+                                                       "base_model": str(base), "hidden_layers": [2, 4, 5]}))
+    return spec
+
+
+def _sglang_folder(spec: Path, base: Path, out: Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    from specdeploy.modules.spec import Base, from_spec, normalise
+
+    folder = sglang.write_eagle3(normalise(from_spec(spec), Base.of(base)), out, max_positions=256, dtype="float32")
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
+
+
+def _llama_eagle3(sglang_site: Path) -> str:
+    return (sglang_site / "sglang" / "srt" / "models" / "llama_eagle3.py").read_text()
+
+
+def test_sglang_takes_the_targets_head_for_a_module_without_its_own(base, tmp_path, sglang_site):
+    """A module drafting over the whole vocabulary has no lm_head (ModelOpt's EagleModule on a base
+    no larger than --draft-vocab): SGLang 0.5.23 takes the target's only for a null draft_vocab_size,
+    else it builds an empty head and load_weights finds nothing for it."""
+    assert "if config.draft_vocab_size is None:\n                self.load_lm_head_from_target = True" in _llama_eagle3(sglang_site)
+    config, tensors = _sglang_folder(_spec_of_trained(tmp_path / "full", base, draft_vocab_size=8192), base, tmp_path / "a")
+    assert not any("lm_head" in k for k in tensors) and config["draft_vocab_size"] is None
+    config, tensors = _sglang_folder(_spec_of_trained(tmp_path / "reduced", base, draft_vocab_size=96), base, tmp_path / "b")
+    assert "lm_head.weight" in tensors and config["draft_vocab_size"] == 96
+
+
+def test_sglang_reads_later_layers_pre_attention_norm_as_hidden_norm(base, tmp_path, sglang_site):
+    """SGLang 0.5.23's EAGLE-3 layer i > 0 normalises with hidden_norm (its input_layernorm unused):
+    a 2-layer module's second norm is written under that name, and imports back as the same module."""
+    import torch
+
+    assert "# Fuse the previous layer's MLP residual add into hidden_norm.\n            hidden_states, residual = " \
+           "self.hidden_norm(hidden_states, residual)" in _llama_eagle3(sglang_site)
+    spec = _spec_of_trained(tmp_path, base, draft_vocab_size=96, num_layers=2)
+    config, tensors = _sglang_folder(spec, base, tmp_path / "sglang")
+    assert config["num_hidden_layers"] == 2 and "layers.1.input_layernorm.weight" not in tensors
+    assert torch.equal(tensors["layers.1.hidden_norm.weight"], torch.full((64,), 3.0))
+    assert torch.equal(tensors["layers.0.input_layernorm.weight"], torch.full((64,), 2.0))  # the first layer's own names
+    build = imported(tmp_path / "again", base, "eagle", tmp_path / "sglang")
+    again = test_modules.spec_of(build)[1]
+    assert torch.equal(again["eagle_module.layers.1.input_layernorm.weight"], torch.full((64,), 3.0))
+    assert not any("layers.1.hidden_norm" in k for k in again)

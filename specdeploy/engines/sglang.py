@@ -104,13 +104,15 @@ def write_eagle3(module: Module, out: Path, *, max_positions: int, dtype: str) -
     import torch
 
     from specdeploy.fileio import atomic_write_json
+    from specdeploy.modules.module import later_layer_norms
     from specdeploy.speculator.common import save_tensors
 
     if module.norm_before_residual:
         raise SpecDeployError(f"no SGLang layout for this module: {NO_RESIDUAL_NORM}",
                               hint="serve it with vLLM (--format speculators) or the CPU deployment")
     # floats in the serving dtype; d2t stays the integer offsets hot_token_id is made from
-    tensors = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).contiguous() for k, v in module.tensors.items()}
+    tensors = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).contiguous()
+               for k, v in later_layer_norms(module.tensors, "input_layernorm", "hidden_norm").items()}
     out.mkdir(parents=True, exist_ok=True)
     save_tensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
     atomic_write_json(out / "config.json", _config(module, max_positions, dtype))
@@ -120,7 +122,10 @@ def write_eagle3(module: Module, out: Path, *, max_positions: int, dtype: str) -
 def _config(module: Module, max_positions: int, dtype: str) -> dict[str, Any]:
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": module.hidden_size,
-        "vocab_size": module.vocab_size, "draft_vocab_size": module.draft_vocab_size, **module.arch,
+        # null without a head of its own (it drafts over the whole vocabulary): SGLang then takes the target's
+        # lm_head (llama_eagle3.py load_lm_head_from_target); a number makes it build an empty one
+        "vocab_size": module.vocab_size, **module.arch,
+        "draft_vocab_size": module.draft_vocab_size if "lm_head.weight" in module.tensors else None,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "max_position_embeddings": max_positions, "rope_theta": module.rope_theta, "rope_scaling": module.rope_scaling,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(module.layers), "use_aux_hidden_state": True},

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.modules.files import Folder
-from specdeploy.modules.module import Module, decoder_arch, refuse_unknown, renamed, rope_of, without_target_tensors
+from specdeploy.modules.module import (Module, decoder_arch, later_layer_norms, refuse_unknown, renamed, rope_of,
+                                       without_target_tensors)
 
 NAME = "eagle3"
 KIND = "eagle"
@@ -41,7 +42,7 @@ def eagle_module(folder: Folder, layout: str, *, prefix: str, layers: list[int] 
     """An EAGLE-3 module from an HF-style config (the authors' and ModelOpt's layouts share it)."""
     config = folder.config
     hidden = int(config["hidden_size"])
-    tensors = without_target_tensors(renamed(folder.tensors, prefix, "layers.0."))
+    tensors = later_layer_norms(without_target_tensors(renamed(folder.tensors, prefix, "layers.0.")), "hidden_norm", "input_layernorm")
     refuse_unknown(tensors, TENSORS, layout)
     theta, scaling = rope_of(config)
     return Module(kind=KIND, layout=layout, tensors=tensors, hidden_size=hidden, vocab_size=config.get("vocab_size"),

@@ -87,6 +87,22 @@ def renamed(tensors: dict[str, Any], old: str, new: str) -> dict[str, Any]:
     return {(new + k[len(old):]) if k.startswith(old) else k: v for k, v in tensors.items()}
 
 
+def later_layer_norms(tensors: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """The pre-attention norm of EAGLE-3 layers after the first, renamed: ModelOpt's (and ours)
+    `layers.{i}.input_layernorm`, SGLang 0.5.23's `layers.{i}.hidden_norm` (llama_eagle3.py: a layer
+    i > 0 normalises with hidden_norm and leaves input_layernorm unused: a checkpoint SGLang saved
+    may hold that unused one too, dropped). Layer 0 keeps both names."""
+    pattern = re.compile(rf"^layers\.([1-9]\d*)\.{re.escape(old)}\.weight$")
+    layers = {match.group(1) for key in tensors if (match := pattern.match(key))}
+    replaced = {f"layers.{i}.{new}.weight" for i in layers}
+
+    def name(key: str) -> str:
+        match = pattern.match(key)
+        return f"layers.{match.group(1)}.{new}.weight" if match else key
+
+    return {name(k): v for k, v in tensors.items() if k not in replaced}
+
+
 def without_target_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
     """The module's own tensors: a copy of the target's embeddings or head is the target's to give."""
     return {k: v for k, v in tensors.items() if k not in TARGET_TENSORS}
