@@ -123,6 +123,23 @@ def test_an_imported_dflash_module_runs_with_its_rope_theta(base, tmp_path):
     assert module.config.rope_parameters["rope_theta"] == 1e6
 
 
+@pytest.mark.parametrize("field,value", [("causal", True), ("output_multiplier", 2.0), ("final_logit_softcapping", 30.0),
+                                         ("attention_value_scale", 0.5), ("projector_type", "domino")])
+def test_a_dflash_variant_the_runtime_does_not_compute_is_refused(base, tmp_path, field, value):
+    """ModelOpt's exporter writes `causal` (true for a drafter trained with causal blocks, no tensor
+    says so); SGLang reads the others. Imported, each used to become the plain bidirectional module."""
+    source = write_layout("dflash", "dflash", tmp_path / "src", base)
+    config = json.loads((source / "config.json").read_text())
+    config["dflash_config"] = {**config["dflash_config"], field: value}
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDeployError, match=f"{field}={value!r}"):
+        imported(tmp_path / "build", base, "dflash", source)
+    plain = {"causal": False, "output_multiplier": 1.0, "final_logit_softcapping": 0.0, "projector_type": "dflash"}
+    config["dflash_config"] = {**config["dflash_config"], field: plain.get(field)}
+    (source / "config.json").write_text(json.dumps(config))
+    imported(tmp_path / "plain", base, "dflash", source)  # the plain values import
+
+
 def _drafts(base: Path, spec_dir: Path, kind: str) -> tuple[list, list]:
     """Every draft proposed while decoding PROMPTS (float32), and the answers."""
     target = checkpoints.load_causal_lm(base, dtype="float32")
@@ -231,6 +248,17 @@ def test_the_first_layer_computes_what_the_engines_compute(norm_before_residual,
 
 
 # ------------------------------------------------------------------------------ export, import back
+
+
+def test_a_norm_before_residual_module_gets_no_trtllm_folder(base, tmp_path):
+    """The LLM-API route and --format sglang refuse it (their first layer adds the un-normed residual);
+    --format trtllm wrote the folder without a word. --format speculators (vLLM runs it) still exports."""
+    source = write_layout("eagle", "speculators", tmp_path / "src", base, tm.eagle_weights(), norm_before_residual=True)
+    build = imported(tmp_path / "build", base, "eagle", source)
+    with pytest.raises(SpecDeployError, match="no TensorRT-LLM layout for this module: .*norm_before_residual") as err:
+        export.export(build, "trtllm", tmp_path / "trtllm")
+    assert "--format speculators" in err.value.hint and not (tmp_path / "trtllm").exists()
+    assert (export.export(build, "speculators", tmp_path / "speculators") / "config.json").is_file()
 
 
 ROUND_TRIPS = [("eagle", "eagle3", "trtllm"), ("eagle", "eagle3", "speculators"), ("dflash", "dflash", "trtllm"),

@@ -35,10 +35,27 @@ def default_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+# dflash_config fields that change what the draft computes (ModelOpt 0.47's exporter writes `causal`;
+# SGLang 0.5.23's parse_dflash_draft_config reads the others), with the value the runtime implements
+PLAIN_DFLASH = {"causal": False, "output_multiplier": 1.0, "final_logit_softcapping": None, "attention_value_scale": None,
+                "projector_type": "dflash"}
+
+
+def refuse_variants(dflash: dict) -> None:
+    """A variant the runtime's DFlash does not compute (bidirectional blocks, plain logits) is refused,
+    not imported as the plain one."""
+    refuse_flags(dflash, ("use_swa",), "z-lab DFlash")
+    unsupported = [f"{name}={dflash[name]!r}" for name, plain in PLAIN_DFLASH.items()
+                   if dflash.get(name) not in (None, plain) and not (plain is None and not dflash.get(name))]
+    if unsupported:
+        raise SpecDeployError(f"the DFlash module sets {', '.join(unsupported)}: a variant the runtime's DFlash does not "
+                              "compute (bidirectional blocks, plain logits)", hint="import a module without it")
+
+
 def read(folder: Folder) -> Module:
     config = folder.config
     dflash = config.get("dflash_config") or {}
-    refuse_flags(dflash, ("use_swa",), "z-lab DFlash")
+    refuse_variants(dflash)
     if any(t != "full_attention" for t in config.get("layer_types") or []):
         raise SpecDeployError("the DFlash module has sliding-window layers: the runtime's DFlash attends to the whole context",
                               hint="import a module with full attention")

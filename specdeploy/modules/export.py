@@ -66,7 +66,8 @@ def refuse(fmt: str, kind: str) -> None:
 
 def _write(build: BuildDir, fmt: str, kind: str, spec_dir: Path, base_dir: Path, staging: Path, dtype: str,
            verifier: str | None) -> Path:
-    from specdeploy.trtllm import draft_folders
+    from specdeploy.trtllm import draft_folders, llmapi
+    from specdeploy.trtllm.releases import DEFAULT_TRTLLM_VERSION, release_for
     from specdeploy.trtllm.spec_input import load_spec
 
     if fmt == "speculators":
@@ -75,7 +76,12 @@ def _write(build: BuildDir, fmt: str, kind: str, spec_dir: Path, base_dir: Path,
         return _sglang(build, spec_dir, base_dir, staging / "module", dtype)
     if kind == "dflash":
         return draft_folders.dflash_draft(spec_dir, staging, dtype)
-    return draft_folders.eagle3_draft(load_spec(spec_dir), spec_dir, base_dir, staging, dtype)
+    spec = load_spec(spec_dir)
+    why = llmapi.refusal(kind, None, release_for(DEFAULT_TRTLLM_VERSION), None, spec.config)  # as the LLM-API route decides
+    if why:
+        raise SpecDeployError(f"no TensorRT-LLM layout for this module: {why}",
+                              hint="export it with --format speculators (vLLM runs it), or serve the CPU deployment")
+    return draft_folders.eagle3_draft(spec, spec_dir, base_dir, staging, dtype)
 
 
 def _normalised(build: BuildDir, spec_dir: Path, base_dir: Path) -> tuple[Module, Base, list[str]]:
