@@ -629,8 +629,10 @@ def make_host(args: argparse.Namespace) -> Host:
 
 def main(argv: List[str]) -> int:
     args = parse_args(argv)
-    # a `kill` runs the same clean-up as Ctrl-C: the server is stopped, not orphaned on the GPU
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # a `kill`, a closed terminal or a dropped SSH session run the same clean-up as Ctrl-C: the
+    # server is stopped, not orphaned on the GPU
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, lambda number, _: sys.exit(128 + number))
     try:
         host = make_host(args)
         if args.mode == "dry-run":

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -315,7 +316,8 @@ def test_in_a_container_that_cannot_run_verify_it_says_what_to_run_from_outside(
     assert not (Path(env["STUB_DIR"]) / "server.pid").exists()
 
 
-def test_serve_only_serves_until_stopped_and_then_stops_the_server(tmp_path, build):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])  # a kill; a closed terminal or dropped SSH
+def test_serve_only_serves_until_stopped_and_then_stops_the_server(tmp_path, build, stop):
     env = stubs(tmp_path)
     serving = subprocess.Popen(["bash", str(SCRIPT), "--serve-only", str(build)], stdout=subprocess.PIPE, text=True,
                                env={**os.environ, **env})
@@ -324,8 +326,8 @@ def test_serve_only_serves_until_stopped_and_then_stops_the_server(tmp_path, bui
         assert any("serving on 127.0.0.1" in line for line in lines)
         assert "--phase served" in next(lines)
     finally:
-        serving.terminate()
-    assert serving.wait(60) == 128 + 15
+        serving.send_signal(stop)
+    assert serving.wait(60) == 128 + stop
     assert recorded(env, "docker")[-1][0] == "stop" and recorded(env, "verify") == []
 
 

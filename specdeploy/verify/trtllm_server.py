@@ -40,7 +40,9 @@ def trtllm_target(routes: dict[str, Any], route: str | None) -> Target:
     entry = routes["routes"][route]
     names = LLMAPI_INPUTS if entry["inputs"] == "llmapi" else {}
     extra = {**entry.get("request", {}), **({"sampling_param_exclude_input_from_output": True} if names else {})}
-    return Target(entry["model"], names, extra, bool(entry["stream"]))
+    # NVIDIA's llmapi model streams the whole text so far in every response (model.py _create_response
+    # sends CompletionOutput.text, not text_diff): asked not to stream, it sends the answer once
+    return Target(entry["model"], names, extra, bool(entry["stream"]) and not names)
 
 
 def _model_dir(build: BuildDir) -> Path:
