@@ -59,17 +59,22 @@ def test_a_fast_cpu_trains_the_larger_quick_eagle_and_a_slow_one_the_smaller(tmp
     assert slow.record("spec")["settings"] == json.loads(json.dumps(asdict(SMALL)))  # the manifest reproduces it
 
 
-def test_the_choice_is_made_once_per_build_and_per_base(tmp_path, monkeypatch):
-    """A rerun (the module deleted, or a stage interrupted) keeps the tier first measured; another base
-    in the same build folder is measured again."""
+def test_the_speed_is_measured_once_per_build_and_per_base(tmp_path, monkeypatch):
+    """A rerun (the module deleted, or a stage interrupted) keeps the speed first measured, and
+    predicts the recipe it is asked for with it: other overrides, another tier where the time says
+    so, and the record names what ran; another base in the same build folder is measured again."""
     trained, calls = [], []
     monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
     build = _build(tmp_path)
     _host(monkeypatch, train_step_s=0.5, calls=calls)
     commands.run(build, "eagle", device="cpu")
-    _host(monkeypatch, train_step_s=0.1, calls=calls)  # the host is faster now (another hour)
-    commands.run(build, "eagle", device="cpu", steps=401)  # other settings: trained again
-    assert trained == [SMALL, replace(SMALL, steps=401)] and len(calls) == 1
+    _host(monkeypatch, train_step_s=0.1, calls=calls)  # the host is faster now (another hour): not measured again
+    commands.run(build, "eagle", device="cpu", steps=401)  # 44 + 40 + 0.5 x 401 s at the recorded speed: fits
+    assert trained == [SMALL, replace(LARGE, steps=401)] and len(calls) == 1
+    assert build.record("spec")["sizing"]["work"]["train_steps"] == 401
+    commands.run(build, "eagle", device="cpu", steps=100)
+    commands.run(build, "eagle", device="cpu")  # the defaults again: 800 steps do not fit, as first predicted
+    assert trained[-1] == SMALL and build.record("spec")["sizing"]["predicted_s"] == pytest.approx(484, abs=0.1)
     with build.stage("resolve", "base", {"other": "base"}) as tmp:
         (tmp / "config.json").write_text('{"another": "base"}')
     commands.run(build, "eagle", device="cpu")

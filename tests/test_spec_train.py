@@ -130,6 +130,28 @@ def test_save_load_round_trip_gives_identical_proposals(tiny_llama_dir, data, tm
     assert not torch.equal(fresh.module.fc.weight, from_dir.module.fc.weight)  # the weights really were loaded
 
 
+@pytest.mark.parametrize("kind,option", [("eagle", "checkpoint_every"), ("eagle", "draft_vocab"), ("eagle", "distill_batch"),
+                                         ("medusa", "medusa_layers")])
+def test_counts_below_one_are_refused_before_the_distillation(kind, option):
+    """They failed in the training loop (ZeroDivisionError, an empty argmax, an empty optimizer),
+    after minutes of distillation."""
+    from specdeploy.errors import SpecDeployError
+
+    with pytest.raises(SpecDeployError, match=f"{option.replace('_', '-')} must be positive, got 0"):
+        TrainSettings(kind=kind, **{**TINY, option: 0}).validate()
+
+
+def test_a_batch_that_does_not_split_is_refused_before_distilling(tiny_llama_dir, monkeypatch):
+    from specdeploy.errors import SpecDeployError
+    from specdeploy.speculator import train as train_module
+    from specdeploy.speculator.parallel import Parallel
+
+    monkeypatch.setattr(train_module, "distill", lambda *a, **k: pytest.fail("distilled before refusing"))
+    with pytest.raises(SpecDeployError, match="does not split over 3 processes"):
+        train_module.fit(tiny_llama_dir, TrainSettings(kind="eagle", steps=2, **TINY),
+                         parallel=Parallel(rank=0, world=3, device=torch.device("cpu")))
+
+
 def test_cli_rejects_a_tree_deeper_than_the_heads(tmp_path, capsys, tiny_llama_dir):
     code = cli.main(["spec", "train", "--build-dir", str(tmp_path / "b"), "--model", str(tiny_llama_dir),
                      "--spec", "medusa", "--medusa-heads", "2", "--choices", "[[0], [0, 0], [0, 0, 0]]"])

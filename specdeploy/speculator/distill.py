@@ -126,8 +126,10 @@ def teacher_forced(
     max_tokens: int = TF_MAX_TOKENS, batch_size: int = TF_BATCH, progress: Any = None,
 ) -> DistillData:
     """ShareGPT answers read (not generated) by the base: one prefill per batch, ~10x more
-    positions per CPU second than generating. The training targets are still the base's own
-    predictions (logit distillation), only the contexts are off-policy."""
+    positions per CPU second than generating. EAGLE's and DFlash's training targets are still the
+    base's own predictions (logit distillation), only the contexts are off-policy; Medusa's heads
+    learn the read tokens themselves (hard labels, as ModelOpt's Medusa trains), and on read answers
+    many of those are tokens the base would not produce."""
     encoded = readable(tokenizer, conversations, max_tokens)
     tokens, valid, hidden = [], [], {layer: [] for layer in layers}
     started = time.time()

@@ -159,13 +159,18 @@ def plan_training(model_dir: str | os.PathLike, settings: Any, device: "torch.de
     })
 
 
-def check_training(model_dir: str | os.PathLike, settings: Any, device: "torch.device", *, num_layers_kept: int,
-                   frozen_bytes: int, world: int = 1) -> None:
-    if settings.batch_size % world:
+def check_split(batch_size: int, world: int) -> None:
+    """Every rank trains on batch-size / world of each step's batch."""
+    if batch_size % world:
         raise SpecDeployError(
-            f"--batch-size {settings.batch_size} does not split over {world} processes",
+            f"--batch-size {batch_size} does not split over {world} processes",
             hint=f"use a multiple of {world} (every rank trains on batch-size / world of each step's batch)",
         )
+
+
+def check_training(model_dir: str | os.PathLike, settings: Any, device: "torch.device", *, num_layers_kept: int,
+                   frozen_bytes: int, world: int = 1) -> None:
+    check_split(settings.batch_size, world)
     plan = plan_training(model_dir, settings, device, num_layers_kept=num_layers_kept, frozen_bytes=frozen_bytes, world=world)
     check(plan, device, options=TRAIN_OPTIONS)
 

@@ -4,9 +4,11 @@
 
 Every rank draws the same global batch of each step from one seeded generator and trains on its
 own slice of it (batch-size / world windows); the gradients of the module's parameters are
-averaged with all_reduce before the optimizer step, so every rank holds the same weights and the
-module is the one a single process would train on the same batches. Self-distillation shards are
-split between the ranks the same way (shard i on rank i % world). Only rank 0 writes spec/, the
+averaged with all_reduce before the optimizer step, so every rank holds the same weights. Each
+rank's loss is its own mean over its own scored positions (ModelOpt's EAGLE loss, the Medusa loss),
+so ranks weigh equally, not positions: as torch DDP trains, close to but not exactly what a single
+process would train on the same batches. Self-distillation shards are split between the ranks the
+same way (shard i on rank i % world). Only rank 0 writes spec/, the
 checkpoints and the manifest. Alone (no torchrun), world is 1 and the same code runs.
 """
 

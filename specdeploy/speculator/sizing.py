@@ -70,17 +70,20 @@ class Work:
 
 def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel, *,
              trust_remote_code: bool = False) -> tuple[str, dict[str, Any] | None]:
-    """'cpu' or 'cpu-small' for this build on this CPU and the sizing it rests on: the build's
-    recorded choice, else measured (on rank 0; the other ranks read its choice). No sizing where
-    both tiers train the same."""
+    """'cpu' or 'cpu-small' for this build on this CPU and the sizing it rests on: the host's speed
+    measured once per build and base (recorded), the work counted for the recipe asked this time
+    (other overrides, another prediction); rank 0 decides, the other ranks read its choice. No
+    sizing where both tiers train the same."""
     large, small = (settings_for(kind, preset, tier=tier, **overrides) for tier in ("cpu", "cpu-small"))
     if large == small:
         return "cpu", None
-    if parallel.is_main and recorded(build) is None:
+    if parallel.is_main:
         from specdeploy.checkpoints import load_tokenizer
 
         base_dir = build.path("base")
-        speed = measure(base_dir, large, parallel.device, trust_remote_code=trust_remote_code)
+        known = recorded(build)
+        speed = HostSpeed(**known["speed"]) if known else measure(base_dir, large, parallel.device,
+                                                                   trust_remote_code=trust_remote_code)
         work = work_for(large, load_tokenizer(base_dir))
         predicted = work.seconds(speed)
         tier = "cpu" if predicted <= SPEC_BUDGET_S else "cpu-small"
@@ -95,7 +98,7 @@ def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any],
 
 
 def recorded(build: BuildDir) -> dict[str, Any] | None:
-    """The build's sizing (.spec.sizing.json) for its base; None before it was measured."""
+    """The build's sizing (.spec.sizing.json) for its base, the last recipe's; None before it was measured."""
     path = build.root / SIZING_FILE
     sizing = json.loads(path.read_text()) if path.is_file() else None
     return sizing if sizing and sizing.get("base") == build.fingerprint("resolve") else None

@@ -82,7 +82,8 @@ class TrainSettings:
         if min(counts) < 0 or sum(counts) == 0:
             raise SpecDeployError("no training data: num-prompts, code-prompts and teacher-forced are all 0 (or one is negative)",
                                   hint="e.g. --num-prompts 128 (generated answers) and/or --teacher-forced 256")
-        for name in ("steps", "batch_size", "window", "max_new_tokens", "tf_max_tokens", "medusa_heads", "eagle_layers", "ttt_steps", "anchors"):
+        for name in ("steps", "batch_size", "window", "max_new_tokens", "tf_max_tokens", "medusa_heads", "eagle_layers", "ttt_steps",
+                     "anchors", "checkpoint_every", "distill_batch", "draft_vocab", "medusa_layers"):
             if getattr(self, name) <= 0:
                 raise SpecDeployError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}", hint="pass a positive value")
         if self.block_size < 2 or (self.kind == "dflash" and dflash_spec.crop(self.window, self.block_size) == 0):
@@ -230,6 +231,7 @@ def fit(base_dir: str | Path, settings: TrainSettings, *, data: Data | None = No
     settings.validate()
     base_dir = Path(base_dir)
     parallel = parallel or Parallel(device=resolve_device(device))
+    memory.check_split(settings.batch_size, parallel.world)  # before the distillation, not after it
     device = parallel.device
     num_layers = json.loads((base_dir / "config.json").read_text())["num_hidden_layers"]
     if data is None:
