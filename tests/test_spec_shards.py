@@ -106,3 +106,30 @@ def test_a_loss_term_reads_only_positions_of_its_own_sample():
     assert within_sample(valid, 1, itself=True).tolist() == [[False, True, True, False, False, True, False]]
     # DFlash with blocks of 2: the labels i whose two predecessors lie in i's sample; each sample's end is a label
     assert within_sample(valid, 2, itself=False).tolist() == [[False, False, True, True, False, False, True]]
+
+
+def test_a_training_row_holds_one_sample_right_padded():
+    """A window packing several samples let the draft at a later one attend to the earlier one
+    (ModelOpt's causal mask spans the row), which serving never shows it: each row is one sample,
+    or `window` positions inside a longer one, right-padded with attention 0 and no valid position."""
+    from specdeploy.speculator.parallel import Parallel
+    from specdeploy.speculator.shards import DistillData
+    from specdeploy.speculator.train import _batch, _fixed
+
+    lengths = [5, 12, 3, 7]  # sample 1 is longer than the window of 8
+    valid = torch.cat([torch.tensor([True] * (n - 1) + [False]) for n in lengths])
+    sample = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    data = DistillData(tokens=sample + 100, valid=valid, hidden={2: sample[:, None].float().expand(-1, 4).clone()}, info={})
+    settings = TrainSettings(kind="eagle", window=8, batch_size=64, num_prompts=1)
+    gen = torch.Generator().manual_seed(0)
+    batch = _batch(data, settings, gen, _fixed(data, settings, {}, 2, torch.device("cpu")), Parallel())
+    seen = set()
+    for tokens, valid_row, attention, hidden in zip(batch["tokens"], batch["valid"], batch["attention"], batch["hidden"][2]):
+        real = int(attention.sum())
+        assert attention.tolist() == [1] * real + [0] * (8 - real) and not valid_row[real:].any()
+        owners = set((tokens[:real] - 100).tolist())
+        assert len(owners) == 1 and hidden[:real, 0].eq(owners.pop()).all() and hidden[real:].eq(0).all()
+        sample_id = int(tokens[0]) - 100
+        seen.add(sample_id)
+        assert real == min(lengths[sample_id], 8)
+    assert seen == {0, 1, 2, 3}

@@ -13,6 +13,7 @@ import torch
 
 from specdeploy.manifest import BuildDir
 from specdeploy.speculator import commands, presets, sizing
+from specdeploy.speculator.train import stage_settings
 
 pytestmark = pytest.mark.usefixtures("spec_cache")  # conftest: a private data cache, one thread
 
@@ -56,7 +57,7 @@ def test_a_fast_cpu_trains_the_larger_quick_eagle_and_a_slow_one_the_smaller(tmp
     assert trained == [LARGE, SMALL] and calls == [LARGE, LARGE]  # the larger recipe is what is timed
     assert fast.record("spec")["sizing"]["tier"] == "cpu" and slow.record("spec")["sizing"]["tier"] == "cpu-small"
     assert slow.record("spec")["sizing"]["predicted_s"] == pytest.approx(484, abs=0.1)
-    assert slow.record("spec")["settings"] == json.loads(json.dumps(asdict(SMALL)))  # the manifest reproduces it
+    assert slow.record("spec")["settings"] == json.loads(json.dumps(stage_settings(SMALL)))  # the manifest reproduces it
 
 
 def test_the_speed_is_measured_once_per_build_and_per_base(tmp_path, monkeypatch):
@@ -96,7 +97,7 @@ def test_no_measurement_when_both_tiers_train_the_same(tmp_path, monkeypatch):
 def test_a_module_trained_on_another_tier_is_kept(tmp_path, monkeypatch):
     """A build made on a GPU host or a faster CPU stays complete where this CPU would choose the other tier."""
     build = _build(tmp_path)
-    with build.stage("spec", "spec", asdict(LARGE), consumes=("resolve",)) as tmp:
+    with build.stage("spec", "spec", stage_settings(LARGE), consumes=("resolve",)) as tmp:
         (tmp / "module.safetensors").write_text("trained on a fast host")
     monkeypatch.setattr(commands, "train", lambda *a, **_: pytest.fail("trained again"))
     monkeypatch.setattr(sizing, "measure", lambda *a, **_: pytest.fail("measured although the stage was complete"))

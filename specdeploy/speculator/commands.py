@@ -13,7 +13,7 @@ import argparse
 import json
 import shutil
 import sys
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.speculator.parallel import setup
 from specdeploy.speculator.presets import PRESETS, TABLE, gpu_tier, settings_for
 from specdeploy.speculator.sizing import cpu_tier
-from specdeploy.speculator.train import TrainSettings, train
+from specdeploy.speculator.train import TrainSettings, stage_settings, train
 
 STAGE = "spec"
 OUT = "spec"
@@ -51,7 +51,7 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
     ckpt_dir = _checkpoint_dir(build)
     train_args = dict(ckpt_dir=ckpt_dir, parallel=parallel, trust_remote_code=trust_remote_code)
     if parallel.is_main:
-        with build.stage(STAGE, OUT, asdict(settings), consumes=("resolve",), device=where,
+        with build.stage(STAGE, OUT, stage_settings(settings), consumes=("resolve",), device=where,
                          notes={"sizing": sizing} if sizing else None) as tmp:
             train(base_dir, tmp, settings, **train_args)
     else:
@@ -73,7 +73,7 @@ def _checkpoint_dir(build: BuildDir) -> Path:
 def _complete(build: BuildDir, spec: str, preset: str, overrides: dict[str, Any]) -> bool:
     """Trained with this device's preset or another tier's: a build made on a GPU host stays
     complete when it is mounted on a CPU one, and the other way round."""
-    return any(build.completed(STAGE, asdict(settings_for(spec, preset, tier=tier, **overrides)), consumes=("resolve",))
+    return any(build.completed(STAGE, stage_settings(settings_for(spec, preset, tier=tier, **overrides)), consumes=("resolve",))
                for tier in TABLE)
 
 

@@ -96,7 +96,7 @@ def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int) -
     loss_mask = within_sample(batch["valid"], model.dflash_block_size, itself=False)
     out = model(
         input_ids=batch["tokens"],
-        attention_mask=torch.ones_like(batch["tokens"]),
+        attention_mask=batch["attention"],  # one sample per row, right-padded
         loss_mask=loss_mask.float(),
         base_model_outputs=outputs,
     )

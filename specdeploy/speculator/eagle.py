@@ -89,11 +89,11 @@ def training_step(model: Any, batch: dict[str, torch.Tensor], last_layer: int, a
         "base_model_logits": draft_logits(model, hidden[last_layer]),
     }
     # ModelOpt scores the draft at j (TTT step k: a chain from j - k) against the base at j + 1 where
-    # loss_mask[j + 1]: every position of that chain must lie in one sample of the packed window
+    # loss_mask[j + 1]: every position of that chain must lie in the row's sample, not in its padding
     loss_mask = within_sample(batch["valid"], model.eagle_ttt_steps, itself=True)
     out = model(
         input_ids=batch["tokens"],
-        attention_mask=torch.ones_like(batch["tokens"]),
+        attention_mask=batch["attention"],  # one sample per row, right-padded
         loss_mask=loss_mask.long(),
         base_model_outputs=outputs,
     )

@@ -46,9 +46,9 @@ class DistillData:
 
 
 def within_sample(valid: torch.Tensor, back: int, *, itself: bool) -> torch.Tensor:
-    """(rows, positions) bool over windows of packed samples: position i's `back` predecessors
-    (and i, with `itself`) are valid, so everything a loss term at i is computed from lies in i's
-    sample (valid[j] is False at a sample's last position, whose next token starts another)."""
+    """(rows, positions) bool: position i's `back` predecessors (and i, with `itself`) are valid, so
+    everything a loss term at i is computed from lies in i's sample, inside the row (valid[j] is
+    False at a sample's last position and on a row's padding)."""
     mask = valid.clone() if itself else torch.ones_like(valid)
     for offset in range(1, back + 1):
         before = torch.zeros_like(valid)

@@ -190,7 +190,7 @@ def _time_training(base_dir: Path, settings: TrainSettings, device: torch.device
     generator = torch.Generator().manual_seed(0)
     data = DistillData(
         tokens=torch.randint(config["vocab_size"], (positions,), generator=generator),
-        valid=torch.ones(positions, dtype=torch.bool),
+        valid=torch.arange(positions) % settings.window != settings.window - 1,  # samples of one window each
         hidden={layer: torch.randn(positions, config["hidden_size"], generator=generator).to(torch.bfloat16)
                 for layer in _layers(base_dir)},
         info={})

@@ -94,6 +94,10 @@ class TrainSettings:
         default_choices(self)  # raises a SpecDeployError naming the bad path
 
 
+# how EAGLE and DFlash read the data: 2, one sample a row, right-padded (rows packed several before)
+TRAINER_VERSION = 2
+
+
 def default_choices(settings: TrainSettings) -> list[list[int]]:
     """The tree recorded in spec_config.json, validated against the module's depth."""
     if settings.kind == "dflash":  # one block: a chain of block_size - 1 drafts
@@ -137,20 +141,39 @@ def _batch(data: Data, settings: TrainSettings, gen: torch.Generator, fixed: dic
     window = min(settings.window, n)
     if settings.kind == "dflash":
         window = dflash_spec.crop(window, settings.block_size)
-    starts = parallel.split(torch.randint(0, n - window + 1, (settings.batch_size,), generator=gen)).tolist()
-    rows = [slice(s, s + window) for s in starts]
+    picks = parallel.split(torch.randint(0, n, (settings.batch_size,), generator=gen)).tolist()
+    rows = [sample_row(fixed["last"], p, window) for p in picks]
     return {
         "seed": int(torch.randint(2**62, (), generator=gen)) + parallel.rank,  # DFlash's anchors
-        "tokens": torch.stack([data.tokens[r] for r in rows]).to(device),
-        "valid": torch.stack([data.valid[r] for r in rows]).to(device),
-        "hidden": {k: torch.stack([v[r] for r in rows]).to(device) for k, v in data.hidden.items()},
+        "tokens": torch.stack([padded(data.tokens[r], window, 0) for r in rows]).to(device),
+        "valid": torch.stack([padded(data.valid[r], window, False) for r in rows]).to(device),
+        "attention": torch.stack([padded(torch.ones(r.stop - r.start, dtype=torch.long), window, 0) for r in rows]).to(device),
+        "hidden": {k: torch.stack([padded(v[r], window, 0) for r in rows]).to(device) for k, v in data.hidden.items()},
     }
 
 
+def sample_row(last: torch.Tensor, position: int, window: int) -> slice:
+    """The positions a row trains on: `window` of them inside the sample holding `position` (its
+    whole sample where that is shorter; `last`: every sample's last position). One sample per row,
+    right-padded (padded()), as ModelOpt's EagleOfflineDataCollator makes rows: in a window packing
+    several, the draft at a later sample attends to the earlier one, which serving never shows it."""
+    k = int(torch.searchsorted(last, position))
+    start, end = (int(last[k - 1]) + 1 if k else 0), int(last[k]) + 1
+    begin = max(start, min(position, end - window))
+    return slice(begin, min(begin + window, end))
+
+
+def padded(values: torch.Tensor, length: int, fill: Any) -> torch.Tensor:
+    """`values` extended to `length` along its first dimension with `fill`."""
+    missing = length - values.shape[0]
+    return values if missing == 0 else torch.cat([values, values.new_full((missing, *values.shape[1:]), fill)])
+
+
 def _fixed(data: Data, settings: TrainSettings, extra: dict, num_layers: int, device: torch.device) -> dict:
-    """Per-run tensors a Medusa step reads (tokens and sample ids: 16 bytes a position)."""
+    """Per-run tensors a step reads: EAGLE's and DFlash's each sample's last position, Medusa's
+    tokens and sample ids (16 bytes a position)."""
     if settings.kind != "medusa":
-        return {}
+        return {"last": (~data.valid).nonzero().squeeze(1)}
     return {"valid_positions": data.valid.nonzero().squeeze(1), "last_layer": num_layers,
             "tokens": data.tokens.to(device), "sample_ids": medusa_spec.sample_ids(data.valid).to(device),
             "vocab_ids": torch.tensor(extra["draft_vocab_ids"], device=device)}
@@ -311,8 +334,14 @@ def _loop(model: Any, optimizer: Any, params: list, data: Data, settings: TrainS
     return step, time.time() - began, history
 
 
+def stage_settings(settings: TrainSettings) -> dict[str, Any]:
+    """What the spec stage and its checkpoint are keyed on: the settings and how they are trained
+    (a module trained by another trainer version is trained again)."""
+    return {**asdict(settings), "trainer": TRAINER_VERSION}
+
+
 def _ckpt_state(settings: TrainSettings) -> dict[str, Any]:
-    keep = asdict(settings)
+    keep = stage_settings(settings)
     # steps stay: the learning-rate schedule follows them, so a longer run resuming a shorter one
     # would make a module no fresh run with its settings makes
     keep.pop("checkpoint_every")
