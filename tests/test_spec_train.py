@@ -110,6 +110,20 @@ def test_a_longer_run_starts_over_instead_of_resuming_a_shorter_ones_schedule(ti
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
+def test_a_checkpoint_of_other_data_is_not_resumed(tiny_llama_dir, data, tmp_path, capsys):
+    """Data distilled in another dtype (another host's CPU flags) or from other prompts is other data
+    under the same settings: its half-finished run starts over (the shards' cache key says which)."""
+    from dataclasses import replace as replaced
+
+    settings = TrainSettings(kind="eagle", checkpoint_every=2, steps=4, **TINY)
+    ours = data.materialize()
+    a = replaced(ours, info={**ours.info, "data_key": "made-in-bfloat16"})
+    b = replaced(ours, info={**ours.info, "data_key": "made-in-float32"})
+    for name, made in (("a", a), ("b", b), ("c", b)):  # a stops half-way; b starts over, stops; b again resumes
+        train(tiny_llama_dir, tmp_path / name, settings, ckpt_dir=tmp_path / "ck", data=made, stop_at=2, device="cpu")
+        assert ("resuming eagle training" in capsys.readouterr().out) == (name == "c"), name
+
+
 def test_save_load_round_trip_gives_identical_proposals(tiny_llama_dir, data, tmp_path):
     spec_dir = tmp_path / "spec"
     train(tiny_llama_dir, spec_dir, TrainSettings(kind="eagle", steps=3, **TINY), data=data, device="cpu")

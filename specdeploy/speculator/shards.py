@@ -13,6 +13,7 @@ for the same reason).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -141,8 +142,12 @@ class ShardedData:
         self.hidden = {int(k.split(".", 1)[1]): HiddenRows(self, int(k.split(".", 1)[1]), v["shape"][1])
                        for k, v in sorted(header.items()) if k.startswith("hidden.")}
         infos = [json.loads((Path(f) / INFO_FILE).read_text()) for f in folders]
+        # which data: the shards' cache folders name everything they were made from (the base, the
+        # prompts, the distillation dtype, the data version)
+        names = "\n".join(sorted(f"{Path(f).parent.name}/{Path(f).name}" for f in folders))
         self.info = {"num_samples": sum(i["num_samples"] for i in infos), "seconds": round(sum(i["seconds"] for i in infos), 1),
-                     "num_tokens": self.num_tokens, "shards": len(infos)}
+                     "num_tokens": self.num_tokens, "shards": len(infos),
+                     "data_key": hashlib.sha256(names.encode()).hexdigest()[:16]}
 
     @property
     def num_tokens(self) -> int:

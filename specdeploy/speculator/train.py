@@ -301,7 +301,7 @@ def _loop(model: Any, optimizer: Any, params: list, data: Data, settings: TrainS
     """The optimisation steps, resumed from and saved to `ckpt`: (steps done, seconds, history)."""
     from tqdm import tqdm
 
-    start, history, elapsed, stale = _resume(model, optimizer, settings, ckpt)
+    start, history, elapsed, stale = _resume(model, optimizer, settings, data, ckpt)
     parallel.barrier()  # every rank has read the checkpoint before rank 0 replaces it
     if stale and parallel.is_main:
         shutil.rmtree(ckpt)  # another configuration: start over
@@ -324,7 +324,7 @@ def _loop(model: Any, optimizer: Any, params: list, data: Data, settings: TrainS
         bar.set_postfix(loss=f"{loss_value:.3f}", acc="/".join(f"{a:.2f}" for a in accs))
         stop = stop_at is not None and step + 1 >= stop_at
         if ckpt and parallel.is_main and ((step + 1) % settings.checkpoint_every == 0 or stop):
-            _checkpoint(model, optimizer, settings, ckpt, step + 1, history, time.time() - began)
+            _checkpoint(model, optimizer, settings, data, ckpt, step + 1, history, time.time() - began)
         if stop:
             step += 1
             break
@@ -340,19 +340,22 @@ def stage_settings(settings: TrainSettings) -> dict[str, Any]:
     return {**asdict(settings), "trainer": TRAINER_VERSION}
 
 
-def _ckpt_state(settings: TrainSettings) -> dict[str, Any]:
+def _ckpt_state(settings: TrainSettings, data: Data) -> dict[str, Any]:
     keep = stage_settings(settings)
     # steps stay: the learning-rate schedule follows them, so a longer run resuming a shorter one
     # would make a module no fresh run with its settings makes
     keep.pop("checkpoint_every")
+    # and the data: distilled in another dtype (another host's CPU flags) or from other prompts, it is
+    # other data under the same settings
+    keep["data"] = data.info.get("data_key")
     return keep
 
 
-def _resume(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path | None) -> tuple[int, list, float, bool]:
+def _resume(model: Any, optimizer: Any, settings: TrainSettings, data: Data, ckpt: Path | None) -> tuple[int, list, float, bool]:
     """(first step, history, seconds so far, whether `ckpt` holds another configuration's run)."""
     if ckpt is None or not (ckpt / "state.json").is_file():
         return 0, [], 0.0, False
-    if json.loads((ckpt / "state.json").read_text()).get("settings") != json.loads(json.dumps(_ckpt_state(settings))):
+    if json.loads((ckpt / "state.json").read_text()).get("settings") != json.loads(json.dumps(_ckpt_state(settings, data))):
         return 0, [], 0.0, True
     module, state = load_checkpoint(ckpt, optimizer)
     model.load_state_dict(module, strict=False)
@@ -360,10 +363,11 @@ def _resume(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path | No
     return int(state["step"]), state["history"], float(state["seconds"]), False
 
 
-def _checkpoint(model: Any, optimizer: Any, settings: TrainSettings, ckpt: Path, step: int, history: list, seconds: float) -> None:
+def _checkpoint(model: Any, optimizer: Any, settings: TrainSettings, data: Data, ckpt: Path, step: int, history: list,
+                seconds: float) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
     (ckpt / "state.json").unlink(missing_ok=True)  # incomplete until state.json is back
-    state = {"step": step, "history": history, "seconds": seconds, "settings": _ckpt_state(settings)}
+    state = {"step": step, "history": history, "seconds": seconds, "settings": _ckpt_state(settings, data)}
     save_checkpoint(ckpt, module_state_dict(model, settings.kind), optimizer, state)
 
 
