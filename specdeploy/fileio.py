@@ -27,12 +27,17 @@ def _umask() -> int:
     return mask
 
 
+def _open_mode() -> int:
+    """The mode a plain open() gives a new file under the umask (0644 under the usual 022)."""
+    return 0o666 & ~_umask()
+
+
 def shared_mode(path: str | os.PathLike) -> None:
     """Give a file the read (and write) bits a plain open() would, under the umask: libraries that
     write through mkstemp (transformers' save_pretrained writes model.safetensors 0600) otherwise
     leave weights a server running as another user (a pod) cannot read. Execute bits are kept."""
     mode = os.stat(path).st_mode & 0o7777
-    wanted = mode | (0o666 & ~_umask())
+    wanted = mode | _open_mode()
     if wanted != mode:
         os.chmod(path, wanted)
 
@@ -53,7 +58,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         with os.fdopen(fd, "wb") as f:
             # mkstemp creates 0600; the file gets the mode a plain open() would give it (0644
             # under the usual umask), so a server running as another user (a pod) can read it
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fchmod(f.fileno(), _open_mode())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
