@@ -167,10 +167,20 @@ def choose_route(routes: dict, route: Optional[str]) -> str:
         raise Refusal(EXIT_NO_ROUTE, f"this build has no TensorRT-LLM route {route or ''}: {why}".rstrip(": "))
     world = routes["routes"][route].get("world_size", 1)
     if world != 1:
-        raise Refusal(EXIT_MULTI_GPU, f"route {route} needs {world} GPUs (tp x pp): serve it with NVIDIA's "
-                                      f"/app/scripts/launch_triton_server.py --world_size {world} on the repository "
-                                      "--assemble writes; this script serves single-GPU deployments")
+        raise Refusal(EXIT_MULTI_GPU, f"route {route} needs {world} GPUs (tp x pp): serve the repository --assemble "
+                                      f"writes with {multi_gpu_launch(route, world)}; this script serves single-GPU "
+                                      "deployments")
     return route
+
+
+def multi_gpu_launch(route: str, world: int) -> str:
+    """NVIDIA's launcher as its docs run it: the C++ backend takes an MPI rank per GPU; the LLM API
+    takes tp and pp from model.yaml and starts its own workers (tensorrtllm_backend v1.1.0,
+    docs/llmapi.md: launch_triton_server.py --model_repo, no --world_size)."""
+    launcher = "/app/scripts/launch_triton_server.py --model_repo <repository>"
+    if route == "llmapi":
+        return f"{launcher} (tp x pp = {world} is in tensorrt_llm/1/model.yaml; the LLM API starts its own workers)"
+    return f"{launcher} --world_size {world}"
 
 
 def nvidia_stack_here() -> bool:
@@ -443,13 +453,35 @@ def unreadable_references(host: Host) -> List[Path]:
     return closed
 
 
+def pin_decoupled(config: Path, decoupled: bool) -> None:
+    """State the llmapi model's transaction policy in its config.pbtxt. NVIDIA's config leaves it
+    to model.py's auto_complete_config (from model.yaml), which tritonserver skips under
+    --disable-auto-complete-config, as launch_triton_server.py always passes: the model would then
+    load non-decoupled while model.py streams, and a streamed request never completes. Stated
+    here, it holds either way (auto-complete accepts an equal value)."""
+    text = config.read_text()
+    declared = re.search(r"model_transaction_policy\s*\{[^}]*decoupled\s*:\s*(\w+)", text)
+    if declared:
+        if (declared.group(1).lower() == "true") != decoupled:
+            raise Refusal(EXIT_IMAGE, f"{config} declares decoupled: {declared.group(1)}, the build's model.yaml "
+                                      f"{str(decoupled).lower()}: run `specdeploy package` again "
+                                      f"{'with' if decoupled else 'without'} --no-stream")
+        return
+    config.write_text(text.rstrip("\n") + "\n\n# model.yaml's triton_config.decoupled (specdeploy: stated for "
+                      "launchers that disable auto-complete)\nmodel_transaction_policy {\n  decoupled: "
+                      f"{str(decoupled).lower()}\n}}\n")
+
+
 def assemble(host: Host) -> Path:
     """build/<name>/gpu_host/<route>/: the route's repository, the container's code for it, paths
     resolved, readable by any user."""
     repo = host.repo
     shutil.rmtree(repo, ignore_errors=True)
     shutil.copytree(host.build / host.entry["repo"], repo, symlinks=True)
-    copy_container_files(host, repo / host.entry["container_files"]["to"])
+    into = repo / host.entry["container_files"]["to"]
+    copy_container_files(host, into)
+    if "decoupled" in host.entry:  # the llmapi route: the engine route's configs state it themselves
+        pin_decoupled(into / "config.pbtxt", host.entry["decoupled"])
     resolve_paths(repo, host.mount)
     repo.parent.chmod(0o755)
     make_readable(repo)

@@ -410,6 +410,110 @@ def test_assembly_is_readable_by_another_user(tmp_path, build):
         assert stat.S_IMODE(path.stat().st_mode) == (0o755 if path.is_dir() else 0o644), path
 
 
+# A stand-in for NVIDIA's llmapi model as its container ships it (tensorrtllm_backend v0.19.0,
+# all_models/llmapi/tensorrt_llm): config.pbtxt declares no transaction policy; model.py's
+# auto_complete_config sets it from model.yaml's triton_config, and a decoupled model.yaml streams
+# every answer in several responses through the response sender.
+LLMAPI_CONFIG = """
+name: "tensorrt_llm"
+backend: "python"
+instance_group [ { count: 1 kind: KIND_CPU } ]
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+"""
+LLMAPI_MODEL = """
+from pathlib import Path
+import numpy as np
+import yaml
+import triton_python_backend_utils as pb_utils
+
+TRITON_CONFIG = yaml.safe_load(Path(__file__).with_name("model.yaml").read_text())["triton_config"]
+
+
+class TritonPythonModel:
+    @classmethod
+    def auto_complete_config(cls, config):
+        config.set_model_transaction_policy(dict(decoupled=bool(TRITON_CONFIG["decoupled"])))
+        config.set_max_batch_size(int(TRITON_CONFIG["max_batch_size"]))
+        return config
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            for piece in ("first", "second"):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", np.array([piece.encode()], dtype=object))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def _streamed(url: str, model: str, timeout_s: float = 30.0) -> list:
+    """Every response of one streamed request (text, or the error), up to the empty final one."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hello"], dtype=object))
+    client.async_stream_infer(model, [text], enable_empty_final_response=True)
+    seen = []
+    try:
+        while True:
+            answer = answers.get(timeout=timeout_s)
+            if not hasattr(answer, "get_response"):
+                return [*seen, str(answer)]
+            if answer.get_response().parameters["triton_final_response"].bool_param:
+                return seen
+            seen.append(answer.as_numpy("text_output")[0].decode())
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+@pytest.mark.parametrize("auto_complete", [False, True], ids=["launch_triton_server", "tritonserver"])
+def test_the_llmapi_model_streams_under_any_launcher(tmp_path, build, auto_complete):
+    """The assembled llmapi repository on the bundled tritonserver, started as NVIDIA's
+    launch_triton_server.py starts it (--disable-auto-complete-config) and plainly: the model is
+    decoupled either way and a streamed request gets every response."""
+    from specdeploy.triton.serve import TritonServer
+
+    class AutoCompleting(TritonServer):
+        def command(self, backends):
+            return [arg for arg in super().command(backends) if arg != "--disable-auto-complete-config"]
+
+    container = fake_container(tmp_path)
+    llmapi = container / "llmapi" / "tensorrt_llm"
+    (llmapi / "config.pbtxt").write_text(LLMAPI_CONFIG)
+    (llmapi / "1" / "model.py").write_text(LLMAPI_MODEL)
+    done = gpu_host("--assemble", "--route", "llmapi", str(build), env={"SPECDEPLOY_ALL_MODELS": str(container)})
+    assert done.returncode == 0, done.stderr
+    repo = build / "gpu_host" / "llmapi"
+    (repo / "trtllm_serve.yaml").unlink()  # trtllm-serve's file, not a Triton model
+    server_type = TritonServer if not auto_complete else AutoCompleting  # TritonServer disables auto-complete
+    with server_type(repo, log_path=tmp_path / "server.log") as server:
+        import tritonclient.grpc as grpcclient
+
+        config = grpcclient.InferenceServerClient(server.grpc_url).get_model_config("tensorrt_llm", as_json=True)
+        assert config["config"]["model_transaction_policy"].get("decoupled") is True
+        assert _streamed(server.grpc_url, "tensorrt_llm") == ["first", "second"]
+
+
+def test_the_llmapi_config_keeps_a_policy_the_release_declares(tmp_path, build):
+    container = fake_container(tmp_path)
+    config = container / "llmapi" / "tensorrt_llm" / "config.pbtxt"
+    env = {"SPECDEPLOY_ALL_MODELS": str(container)}
+    config.write_text(LLMAPI_CONFIG + "model_transaction_policy { decoupled: True }\n")
+    assert gpu_host("--assemble", "--route", "llmapi", str(build), env=env).returncode == 0
+    assert (build / "gpu_host" / "llmapi" / "tensorrt_llm" / "config.pbtxt").read_text() == config.read_text()
+    config.write_text(LLMAPI_CONFIG + "model_transaction_policy { decoupled: false }\n")
+    done = gpu_host("--assemble", "--route", "llmapi", str(build), env=env)
+    assert done.returncode == 7 and "declares decoupled: false" in done.stderr
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
 def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path, umask, mode):
     previous = os.umask(umask)
@@ -482,7 +586,8 @@ def test_refusals(tmp_path, tiny_llama_dir, eagle_build, build):
     assert done.returncode == 5 and "no TensorRT-LLM route engine" in done.stderr and "EAGLE-3" in done.stderr
     wide = packaged(tmp_path / "n", tiny_llama_dir, "ngram", tp=2).root
     done = gpu_host("--dry-run", str(wide))
-    assert done.returncode == 6 and "--world_size 2" in done.stderr
+    assert done.returncode == 6 and "launch_triton_server.py --model_repo" in done.stderr  # the llmapi route
+    assert "--world_size" not in done.stderr and "tp x pp = 2 is in tensorrt_llm/1/model.yaml" in done.stderr
     done = gpu_host("--dry-run", str(tmp_path))
     assert done.returncode == 2 and "gpu_routes.json" in done.stderr
     routes_file = build / "triton_repo" / "gpu_routes.json"
@@ -543,4 +648,5 @@ def test_a_moved_build_keeps_every_generated_path_valid(tmp_path, tiny_llama_dir
     assert (new / "gpu_host" / "engine" / "tensorrt_llm_bls" / "1" / "lib" / "decode.py").exists()
     assert (new / "gpu_host" / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").read_text().startswith("model: ")  # ours, not upstream's
     # the model's config.pbtxt is the release's own, as the container ships it beside its model.py
-    assert (new / "gpu_host" / "llmapi" / "tensorrt_llm" / "config.pbtxt").read_text() == "# upstream config.pbtxt\n"
+    config = (new / "gpu_host" / "llmapi" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert config.startswith("# upstream config.pbtxt\n") and "model_transaction_policy {\n  decoupled: true\n}" in config

@@ -55,6 +55,9 @@ def routes_json(kind: str, converted: dict[str, Any] | None, structure: DraftStr
         routes["llmapi"] = {
             "repo": f"{OUT}/llmapi", "model": "tensorrt_llm", "inputs": "llmapi", "stream": settings["decoupled"],
             "world_size": world, "request": {},
+            # model.yaml's triton_config.decoupled, stated in the assembled config.pbtxt too: only
+            # model.py's auto_complete_config applies it, and NVIDIA's launch_triton_server.py turns that off
+            "decoupled": settings["decoupled"],
             "container_files": {"from": LLMAPI_CONTAINER_DIR, "to": "tensorrt_llm", "except": ["1/model.yaml"]},
             "trtllm_serve": {"model": converted["llmapi"]["model"], "config": f"{OUT}/llmapi/trtllm_serve.yaml"},
             "speculation_knobs": {"values": knobs or {}, "from": "the CPU planner's measured break-even "
