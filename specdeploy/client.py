@@ -129,6 +129,7 @@ class TritonLLMClient:
     # -- requests --------------------------------------------------------------------------
     def generate(self, request: Request, stream: bool = False, on_text: Callable[[str], None] | None = None) -> Completion:
         """Send one request; with stream=True, `on_text` gets each chunk as it arrives."""
+        self._check_ranges(request.tensors(stream))
         if self.protocol == "http":
             return self._http_generate(request, stream, on_text)
         return self._grpc_stream(request, stream, on_text)
@@ -145,6 +146,14 @@ class TritonLLMClient:
             }
         return self._inputs
 
+    def _check_ranges(self, values: dict[str, Any]) -> None:
+        """Refuse an integer the model's input cannot hold: gRPC would wrap it in numpy, and
+        Triton's HTTP JSON parser casts it as silently (max_tokens 2**32 + 4 asks for 4 tokens)."""
+        specs = self._input_specs()
+        for name, value in values.items():
+            if name in specs:
+                _check_range(name, value if isinstance(value, list) else [value], specs[name][0])
+
     def _build_inputs(self, request: Request, stream: bool) -> list[Any]:
         specs = self._input_specs()
         built = []
@@ -158,7 +167,6 @@ class TritonLLMClient:
             if dtype is np.object_:
                 values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
             shape = [len(values) if d == -1 else d for d in shape]
-            _check_range(name, values, dtype)
             array = np.array(values, dtype=dtype).reshape(shape)
             tensor = self._triton.InferInput(name, list(array.shape), "BYTES" if dtype is np.object_ else _triton_dtype(array))
             tensor.set_data_from_numpy(array)

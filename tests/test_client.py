@@ -26,9 +26,10 @@ def _config_as_served(path: Path) -> dict:
     return {"config": json_format.MessageToDict(config, preserving_proto_field_name=True)}
 
 
-def _client(config: dict) -> TritonLLMClient:
-    client = TritonLLMClient("127.0.0.1:1", model="tensorrt_llm_bls")  # never connects: the config is stubbed
-    client._client.get_model_config = lambda model, as_json=False: config
+def _client(config: dict, protocol: str = "grpc") -> TritonLLMClient:
+    client = TritonLLMClient("127.0.0.1:1", protocol, model="tensorrt_llm_bls")  # never connects: the config is stubbed
+    served = config if protocol == "grpc" else config["config"]  # tritonclient.http's answer has no wrapper
+    client._client.get_model_config = lambda model, as_json=False: served
     return client
 
 
@@ -42,11 +43,14 @@ def test_every_input_type_the_engine_routes_bls_declares_is_built():
         "return_perf_metrics": "BOOL", "exclude_input_in_output": "BOOL", "stop_words": "BYTES"}
 
 
-@pytest.mark.parametrize("max_tokens", [2**31, 2**32 + 3, -(2**31) - 1])
-def test_an_integer_the_input_cannot_hold_is_refused_not_wrapped(max_tokens):
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("field, value", [("max_tokens", 2**31), ("max_tokens", 2**32 + 3), ("max_tokens", -(2**31) - 1),
+                                          ("top_k", 2**32 + 50), ("end_id", 2**32 + 7)])
+def test_an_integer_the_input_cannot_hold_is_refused_before_sending(protocol, field, value):
+    """Refused before anything is sent (the stubbed client's address answers nothing)."""
     config = _config_as_served(TEMPLATES / "inflight_batcher_llm" / "tensorrt_llm_bls" / "config.pbtxt")
-    with pytest.raises(SpecDeployError, match=f"max_tokens={max_tokens} does not fit the model's int32 input"):
-        _client(config)._build_inputs(Request("hello", max_tokens=max_tokens), stream=False)
+    with pytest.raises(SpecDeployError, match=re.escape(f"{field}={value} does not fit the model's int32 input")):
+        _client(config, protocol).generate(Request("hello", **{"max_tokens": 8, field: value}))
 
 
 class _Response:

@@ -36,6 +36,7 @@ from specdeploy.manifest import BuildDir
 from specdeploy.triton import cpu_repo, stage
 from specdeploy.triton.serve import TritonServer
 from tests.overlap import until_overlapping
+from tests.test_served_dropin import tensors
 from tests.tiny import make_llama
 
 pytestmark = pytest.mark.server
@@ -178,14 +179,14 @@ def finished(samples) -> float:
     return sum(metric(samples, "specdeploy_requests_total", outcome=outcome) for outcome in ("stop", "length"))
 
 
-def generated(before, after) -> float:
-    """New tokens the server generated between two scrapes, for one request that ended between
-    them with nothing else running: the prefill's token, then each round its accepted draft
-    tokens plus one (a request's forwards are counted as it ends, cancelled or not)."""
+def generated(before, after, sequences: int = 1) -> float:
+    """New tokens the server generated between two scrapes, for the sequences that ended between
+    them with nothing else running: each prefill's token, then each round its accepted draft
+    tokens plus one (a sequence's forwards are counted as it ends, cancelled or not)."""
     forwards = metric(after, "specdeploy_sequence_forwards_total") - metric(before, "specdeploy_sequence_forwards_total")
     accepted = (metric(after, "specdeploy_accepted_draft_tokens_total")
                 - metric(before, "specdeploy_accepted_draft_tokens_total"))
-    return 1 + forwards + accepted
+    return sequences + forwards + accepted
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,18 +324,19 @@ def test_metrics_endpoint_counts_speculative_decoding(server, prompt_ids):
 # cancellation
 
 
-def assert_cancelled_early(server, before, whole: int = LONG) -> None:
-    """The one request sent since `before` (the server idle then) is recorded cancelled, and only
-    that, has left the batch, and generated fewer tokens than `whole`, what it generates uncancelled."""
+def assert_cancelled_early(server, before, whole: int = LONG, rows: int = 1) -> None:
+    """The one request sent since `before` (the server idle then; `rows` sequences) is recorded
+    cancelled, and only that, has left the batch, and generated fewer tokens than `whole` a row,
+    what each generates uncancelled."""
     answered = metric(before, "specdeploy_requests_total")
-    wait_for(lambda: metric(scrape(server), "specdeploy_requests_total") > answered, DEADLINE_S,
+    wait_for(lambda: metric(scrape(server), "specdeploy_requests_total") >= answered + rows, DEADLINE_S,
              "the server answers the request")
     after = scrape(server)
-    assert metric(after, "specdeploy_requests_total") == answered + 1
+    assert metric(after, "specdeploy_requests_total") == answered + rows
     assert metric(after, "specdeploy_requests_total", outcome="cancelled") == \
-        metric(before, "specdeploy_requests_total", outcome="cancelled") + 1, "not recorded cancelled"
+        metric(before, "specdeploy_requests_total", outcome="cancelled") + rows, "not recorded cancelled"
     assert metric(after, "specdeploy_requests_in_flight", state="active") == 0
-    assert 0 < generated(before, after) < whole, (generated(before, after), whole)
+    assert generated(before, after, rows) < rows * whole, (generated(before, after, rows), whole)
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["stream", "non-stream"])
@@ -369,6 +371,15 @@ def test_stop_input_ends_the_request_with_that_id(server, prompt_ids, long_run):
     assert in_flight(server) == 0
     nameless = ask_alone(server, prompt_ids[0], 1, stop=True)
     assert "a request id must be provided" in nameless.error
+
+
+def test_a_prompt_without_tokens_or_with_a_wrong_length_is_refused_by_name(server, prompt_ids):
+    ids = prompt_ids[0]
+    assert ask_alone(server, [], 4).error.endswith("input_ids is empty: send at least one prompt token")
+    wrong = ask_alone(server, ids, 4, input_lengths=len(ids) + 5).error
+    assert f"input_lengths {len(ids) + 5} does not match {len(ids)} input_ids: it counts the prompt's tokens, " \
+           f"1 to {len(ids)}" in wrong
+    assert len(ask_alone(server, ids, 4).tokens) == 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,6 +489,25 @@ def test_a_client_timeout_through_the_bls_ends_the_generation_early(server, mode
         client.generate(_bls_request(model_dir, LONG), stream=stream)
     assert_cancelled_early(server, before)
     assert client.generate(_bls_request(model_dir, 4), stream=stream).text  # and it serves the next one
+
+
+def test_a_cancelled_batched_request_through_the_bls_ends_every_row_early(server, model_dir):
+    """Two prompts in one streamed request, cancelled once the first piece arrived: the BLS's stop
+    request carries a flag per row (Triton refuses a request whose inputs differ in batch size)."""
+    end_id = _bls_request(model_dir, 1).end_id
+    rows = {"text_input": np.array([[PROMPTS[0]], [PROMPTS[1]]], dtype=object),
+            "max_tokens": np.full((2, 1), LONG, np.int32), "end_id": np.full((2, 1), end_id, np.int32),
+            "stream": np.full((2, 1), True)}
+    wait_idle(server)
+    before = scrape(server)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    client.async_stream_infer("tensorrt_llm_bls", tensors(**rows))
+    assert not isinstance(got.get(timeout=DEADLINE_S), Exception)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert_cancelled_early(server, before, rows=2)
 
 
 def test_a_bad_request_through_the_bls_gets_the_preprocessing_error(server):

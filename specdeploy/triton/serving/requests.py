@@ -152,9 +152,12 @@ class RequestReader:
         if ids is None:
             raise BadRequest("input_ids is required (the ensemble fills it from text_input)")
         ids = np.asarray(ids).reshape(-1)
+        if not len(ids):
+            raise BadRequest("input_ids is empty: send at least one prompt token")
         length = inputs.scalar("input_lengths", len(ids))
         if not 0 < length <= len(ids):
-            raise BadRequest(f"input_lengths {length} does not match {len(ids)} input_ids")
+            raise BadRequest(f"input_lengths {length} does not match {len(ids)} input_ids: it counts the prompt's "
+                             f"tokens, 1 to {len(ids)}")
         return self._token_ids([int(t) for t in ids[:length]], "input_ids")
 
     def _token_ids(self, ids: list[int], name: str) -> list[int]:

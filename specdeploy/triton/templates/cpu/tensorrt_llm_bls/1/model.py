@@ -95,7 +95,10 @@ class TritonPythonModel:
         step = self.steps[index]
         inner_id = f"specdeploy-bls-{uuid.uuid4().hex}"
         inputs = _inputs(step, names)
-        stop = [tensor for tensor in inputs if tensor.name() in STOP_WITH] + [pb_utils.Tensor("stop", np.array([[True]]))]
+        repeated = [tensor for tensor in inputs if tensor.name() in STOP_WITH]
+        # Triton refuses a request whose inputs differ in batch size: one stop flag per row
+        rows = repeated[0].as_numpy().shape[0]
+        stop = repeated + [pb_utils.Tensor("stop", np.full((rows, 1), True))]
         with self.lock:
             self.running[inner_id] = (sender, stop)
         try:
@@ -140,10 +143,12 @@ class TritonPythonModel:
                         with self.lock:
                             if self.running.pop(inner_id, None) is None:
                                 continue
-                        for _ in self._exec(pb_utils.InferenceRequest(model_name=self.generator, inputs=stop,
-                                                                      request_id=inner_id,
-                                                                      requested_output_names=["output_ids"])):
-                            pass
+                        for response in self._exec(pb_utils.InferenceRequest(model_name=self.generator, inputs=stop,
+                                                                             request_id=inner_id,
+                                                                             requested_output_names=["output_ids"])):
+                            if response.has_error():  # the generation runs on to its end: say why
+                                pb_utils.Logger.log_error(f"specdeploy tensorrt_llm_bls: the stop request for a "
+                                                          f"cancelled one failed: {response.error().message()}")
                 except Exception:
                     pb_utils.Logger.log_error(f"specdeploy tensorrt_llm_bls: {traceback.format_exc()}")
 
