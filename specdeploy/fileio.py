@@ -77,21 +77,27 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """A hard link (free, the same bytes), a copy across file systems. A writer replaces a linked
-    file (atomic_write_*), so the source is never written through."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+def carry_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """A model's file into a build. Weights are hard-linked (free, the same bytes; a copy across
+    file systems): a writer replaces a linked file (atomic_write_*), so the source is never written
+    through, but a weights file overwritten in place in the user's folder changes the build's too.
+    Every other file (config, tokenizer, chat template: small) is copied, so editing one in the
+    user's folder leaves a finished build as it was."""
+    if Path(src).suffix == ".safetensors":
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copy2(src, dst)
 
 
 def link_folder(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """A copy of a folder's files (an HF model folder), hard-linked where the file system allows."""
+    """A copy of a folder's files (an HF model folder), its weights hard-linked (carry_file)."""
     Path(dst).mkdir(parents=True, exist_ok=True)
     for item in Path(src).iterdir():
         if item.is_file():
-            link_or_copy(item, Path(dst) / item.name)
+            carry_file(item, Path(dst) / item.name)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

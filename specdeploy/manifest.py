@@ -4,6 +4,10 @@ A stage writes into a temporary folder beside its final one and renames it into 
 is done; only then is it recorded in manifest.json (written atomically). An interrupted stage
 leaves a temp folder that the next run deletes, so a rerun resumes at the first incomplete stage.
 
+One run writes a build at a time: a stage holds an exclusive lock on <build>/.lock while it
+writes, and a second run reaching a stage then stops with the first one's pid instead of
+replacing its temp folder or its manifest record underneath it.
+
 A stage is complete when the manifest holds it with the same settings, the same fingerprints of
 the stages it consumed, and its output files still present with their recorded content (sha256,
 remembered per file by size and mtime: fileio.cached_sha256). Each record also says which device
@@ -13,6 +17,7 @@ the stage computed on.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -30,6 +35,8 @@ from specdeploy.fileio import atomic_write_json, cached_sha256, share_written
 from specdeploy.quantize.formats import QUANT_FORMATS
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
+COMMANDS = {"spec": "spec train"}  # the command that runs a stage, where it is not the stage's name
 _VERSIONED = ("specdeploy", "torch", "transformers", "nvidia-modelopt", "tensorrt_llm")
 
 
@@ -108,7 +115,7 @@ class BuildDir:
         if record is None:
             raise SpecDeployError(
                 f"stage '{stage}' has not run in {self.root}",
-                hint=f"run `specdeploy {stage}` (or `make engine`) first",
+                hint=f"run `specdeploy {COMMANDS.get(stage, stage)}` (or `make engine`) first",
             )
         blob = json.dumps(record["outputs"], sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -136,22 +143,42 @@ class BuildDir:
         `device` (device.describe()) and `notes` (how the stage chose its settings) are recorded
         beside the settings, not in them: a stage completed on one device stays complete when the
         build is mounted on another host."""
-        inputs = {name: self.fingerprint(name) for name in consumes}
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".{out_dir}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        started = time.time()
-        yield tmp
-        share_written(tmp)  # weights saved by transformers / ModelOpt come out 0600
-        final = self.root / out_dir
-        if final.exists():
-            stale = self.root / f".{out_dir}.stale"
+        with self._locked(stage):
+            inputs = {name: self.fingerprint(name) for name in consumes}
+            tmp, final, stale = (self.root / name for name in (f".{out_dir}.partial", out_dir, f".{out_dir}.stale"))
+            for leftover in (tmp, stale):  # an interrupted run's
+                shutil.rmtree(leftover, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            started = time.time()
+            yield tmp
+            share_written(tmp)  # weights saved by transformers / ModelOpt come out 0600
+            if final.exists():
+                os.rename(final, stale)
+            os.rename(tmp, final)  # the new output in place before the old one's (slow) removal
             shutil.rmtree(stale, ignore_errors=True)
-            os.rename(final, stale)
-            shutil.rmtree(stale)
-        os.rename(tmp, final)
-        self._write_record(stage, out_dir, settings, inputs, started, device, notes)
+            self._write_record(stage, out_dir, settings, inputs, started, device, notes)
+
+    @contextmanager
+    def _locked(self, stage: str) -> Iterator[None]:
+        """The build's lock for one stage, or a clear refusal naming the run that holds it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / LOCK, "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise SpecDeployError(f"another specdeploy run is writing {self.root} ({holder}): stage '{stage}' "
+                                      "was not started", hint="wait for that run to end, or give this one another "
+                                      "--build-dir / --build-root") from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()}, stage {stage}")
+            handle.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _write_record(
         self, stage: str, out_dir: str, settings: dict, inputs: dict, started: float, device: str | None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -35,6 +37,45 @@ def test_interrupted_stage_leaves_no_artifact_and_reruns(tmp_path):
     with build.stage("resolve", "base", {}) as tmp:
         (tmp / "full.bin").write_bytes(b"xyz")
     assert sorted(p.name for p in build.path("base").iterdir()) == ["full.bin"]
+
+
+def test_a_stage_killed_while_removing_the_old_output_leaves_the_new_one_in_place(tmp_path, monkeypatch):
+    build = BuildDir(tmp_path / "b")
+    with build.stage("resolve", "base", {"v": 1}) as tmp:
+        (tmp / "w").write_text("old")
+
+    remove = shutil.rmtree
+
+    def killed(path, *args, **kwargs):  # a kill while the old output is being deleted
+        if path.name == ".base.stale" and path.exists():
+            raise KeyboardInterrupt
+        remove(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        patched.setattr(shutil, "rmtree", killed)
+        with build.stage("resolve", "base", {"v": 2}) as tmp:
+            (tmp / "w").write_text("new")
+    assert (build.path("base") / "w").read_text() == "new"
+    assert (tmp_path / "b" / ".base.stale").exists()
+    assert not build.completed("resolve", {"v": 2})  # not recorded: the rerun makes it again
+    with build.stage("resolve", "base", {"v": 2}) as tmp:
+        (tmp / "w").write_text("new")
+    assert build.completed("resolve", {"v": 2}) and not (tmp_path / "b" / ".base.stale").exists()
+
+
+def test_a_second_run_on_a_build_being_written_is_refused_with_the_first_ones_pid(tmp_path):
+    build, again = BuildDir(tmp_path / "b"), BuildDir(tmp_path / "b")
+    with build.stage("quantize", "quantized", {}) as tmp:
+        (tmp / "q").write_text("first")
+        with pytest.raises(SpecDeployError, match=rf"another specdeploy run is writing .*\(pid {os.getpid()}, stage "
+                                                  r"quantize\): stage 'package' was not started"):
+            with again.stage("package", "triton_repo", {}):
+                pass
+        assert (tmp / "q").exists()  # the first run's work is untouched
+    assert build.completed("quantize", {}) and build.record("package") is None
+    with again.stage("package", "triton_repo", {}) as tmp:  # free once the first run's stage ended
+        (tmp / "p").write_text("second")
+    assert build.completed("package", {})
 
 
 def test_downstream_stage_reruns_when_its_input_changes(tmp_path):

@@ -270,6 +270,20 @@ def test_stage_reruns_when_weights_change_but_keep_their_size(tiny_llama_dir, tm
     assert (out / "model.safetensors").read_bytes() == bytes(data)
 
 
+def test_a_finished_build_keeps_its_tokenizer_and_template_when_the_model_folder_is_edited(tiny_llama_dir, tmp_path):
+    """base/ copies the small files and hard-links only the weights: an edit in place in the
+    user's folder (a chat template, a tokenizer config) does not reach a finished build."""
+    source = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    out = resolve.run(BuildDir(tmp_path / "build"), str(source))
+    small = [p.name for p in source.iterdir() if p.suffix != ".safetensors"]
+    before = {name: (out / name).read_bytes() for name in small}
+    for name in small:
+        with open(source / name, "ab") as edited:  # in place: the same inode
+            edited.write(b"\n")
+    assert {name: (out / name).read_bytes() for name in small} == before
+    assert (out / "model.safetensors").stat().st_ino == (source / "model.safetensors").stat().st_ino  # no copy
+
+
 def test_cli_resolve(tiny_llama_dir, tmp_path, capsys):
     assert cli_main(["resolve", "--model", str(tiny_llama_dir), "--build-dir", str(tmp_path / "b")]) == 0
     assert (tmp_path / "b" / "base" / "config.json").is_file()

@@ -3,7 +3,10 @@ equals training from the same data in memory, and the cache is keyed on the mode
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from specdeploy.speculator import distill as distill_mod
-from specdeploy.speculator.distill import cache_key, distill
+from specdeploy.speculator.distill import Job, _remove_orphans, cache_key, distill
 from specdeploy.speculator.shards import ShardedData, within_sample
 from specdeploy.speculator.train import TrainSettings, data_layers, train
 from tests.tiny import make_llama
@@ -77,6 +80,19 @@ def test_cache_key_follows_the_weights_not_the_folder(tiny_llama_dir, tmp_path):
     shutil.copytree(tiny_llama_dir, copy)
     assert cache_key(copy, settings) == cache_key(tiny_llama_dir, settings)
     assert cache_key(copy, {**settings, "max_new_tokens": 17}) != cache_key(tiny_llama_dir, settings)
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert cache_key(copy, settings) != cache_key(tiny_llama_dir, settings)  # answers to other prompt encodings
+
+
+def test_temp_shards_of_killed_runs_are_removed_and_a_running_ones_kept(tmp_path):
+    folder = tmp_path / "gen-00000-4"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, running = (tmp_path / f".{folder.name}.{pid}.partial" for pid in (int(gone.stdout), os.getpid()))
+    for tmp in (dead, running):
+        (tmp / "x").parent.mkdir()
+        (tmp / "x").write_bytes(b"half a shard")
+    _remove_orphans([Job(folder, "generate", [], 4)])
+    assert not dead.exists() and running.exists()
 
 
 def test_ranks_list_the_missing_shards_before_any_is_made(tiny_llama_dir, tmp_path, monkeypatch):

@@ -363,6 +363,33 @@ def test_serve_command_stops_cleanly_on_signal(tmp_path, signum):
     assert not shm_regions(f"{SHM_PREFIX}specdeploy_{proc.pid}_")
 
 
+def test_serve_from_a_build_it_cannot_write_logs_elsewhere_and_says_where(tmp_path):
+    """A build mounted read-only: <build>/logs cannot be made (here a file holds its name), so the
+    log goes to a temp file, named on stderr and in the ready line, kept after the server stopped."""
+    repo = _echo_repo(tmp_path / "repo")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "logs").write_text("not a folder")
+    ports = [str(port) for port in free_ports(3)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdeploy", "serve", "--build-dir", str(tmp_path / "build"), "--repo", str(repo),
+         "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "tritonserver ready" in line, line + proc.stderr.read()
+        log = Path(re.search(r"log (\S+)\. Ctrl-C", line).group(1))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"cannot write {tmp_path / 'build' / 'logs' / 'tritonserver.log'} (File exists): the server's log is " \
+           f"{log}" in proc.stderr.read()
+    assert "Started GRPCInferenceService" in log.read_text()
+    log.unlink()
+
+
 def _echo_repo(root: Path, model_py: str = ECHO_MODEL) -> Path:
     (root / "echo" / "1").mkdir(parents=True)
     (root / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)

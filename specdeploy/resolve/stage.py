@@ -10,8 +10,9 @@ Conversions are cached under $SPECDEPLOY_CACHE (default ~/.cache/specdeploy), ke
 GGUF's sha256, built in a temp folder and renamed into place under a file lock, so concurrent
 callers (tests of other modules) convert once and never see a half-written folder.
 
-The stage copies (hardlinks when possible) the resolved folder into build/<name>/base/ so the
-build directory is self-contained and its manifest hashes describe the real weights.
+The stage copies the resolved folder into build/<name>/base/ (its weights hard-linked where the
+file system allows: fileio.carry_file) so the build directory is self-contained and its manifest
+hashes describe the real weights.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from specdeploy.checkpoints.hf import load_tokenizer
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import content_fingerprint, link_or_copy
+from specdeploy.fileio import carry_file, content_fingerprint
 from specdeploy.hfcompat import write_compatible
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.resolve.bundled import ACCEPTED_FORMS, BUNDLED, resolve_bundled
@@ -77,7 +78,7 @@ def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = Fal
     with build.stage(STAGE, OUT, settings) as tmp:
         for src in sorted(source.iterdir()):
             if src.is_file() and src.suffix in KEEP_SUFFIXES and not src.name.startswith("."):
-                link_or_copy(src, tmp / src.name)
+                carry_file(src, tmp / src.name)
         write_compatible(tmp)  # the GPU host's older transformers loads base/ too (the tokenizer, the llmapi route)
     return build.path(OUT)
 

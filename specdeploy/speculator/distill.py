@@ -24,6 +24,7 @@ import torch
 from specdeploy.device import fast_dtype, resolve_device
 from specdeploy.fileio import cache_dir, content_fingerprint
 from specdeploy.prompts import conversation_ids
+from specdeploy.resolve.stage import KEEP_SUFFIXES
 from specdeploy.speculator import memory
 from specdeploy.speculator.common import chat_prompts, load_base
 from specdeploy.speculator.parallel import Parallel
@@ -34,14 +35,13 @@ DATA_VERSION = 4  # 3: prompts encoded as served (one BOS); 4: no train conversa
 MAX_PROMPT_TOKENS = 192
 TF_MAX_TOKENS = 384  # teacher-forced conversations are cut to this many tokens
 TF_BATCH = 8
-# What identifies a model's answers: its weights, config (generation_config: eos) and tokenizer.
-FINGERPRINT_SUFFIXES = (".safetensors", "config.json", "tokenizer.json")
 
 
 def _model_fingerprint(model_dir: Path) -> str:
     """Same content in any folder (cache, build/<name>/base/) -> same data; a fine-tune of the
-    same architecture and sizes -> other data (content hashes, remembered by size and mtime)."""
-    blob = json.dumps(content_fingerprint(model_dir, FINGERPRINT_SUFFIXES), sort_keys=True).encode()
+    same architecture and sizes, another chat template or tokenizer file -> other data: every file
+    resolve keeps (content hashes, remembered by size and mtime)."""
+    blob = json.dumps(content_fingerprint(model_dir, KEEP_SUFFIXES), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -229,6 +229,7 @@ def distill(
     parallel.barrier()
     mine = parallel.mine(missing)
     if mine:
+        _remove_orphans(mine)
         memory.check_disk(root, sum(len(job.items) * job.seq for job in mine) * per_token)
         largest = max(len(job.items) for job in mine)
         device_map = memory.plan_distillation(
@@ -269,6 +270,25 @@ def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device,
         _publish(data, job.folder)
         del data  # freed before the next shard is made: one shard in RAM at a time
     bar.close()
+
+
+def _remove_orphans(jobs: list[Job]) -> None:
+    """Temp shards of runs that were killed (their pid is gone): up to a shard's size each."""
+    for job in jobs:
+        for tmp in job.folder.parent.glob(f".{job.folder.name}.*.partial"):
+            pid = tmp.name.removeprefix(f".{job.folder.name}.").removesuffix(".partial")
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _publish(data: DistillData, final: Path) -> None:

@@ -31,6 +31,7 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
+from typing import BinaryIO
 
 from specdeploy.errors import SpecDeployError
 
@@ -222,6 +223,23 @@ class TritonServer:
             raise
         return self
 
+    def _open_log(self) -> BinaryIO:
+        """The log where asked; where that cannot be written (a build mounted read-only: serving
+        needs no write access to it) a temp file that outlives the server, said on stderr; none
+        asked, in the server's temp folder."""
+        if self.log_path:
+            try:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                return open(self.log_path, "ab")
+            except OSError as err:
+                handle, path = tempfile.mkstemp(prefix="specdeploy-tritonserver-", suffix=".log")
+                print(f"specdeploy: cannot write {self.log_path} ({err.strerror}): the server's log is {path}",
+                      file=sys.stderr)
+                self.log_path = Path(path)
+                return os.fdopen(handle, "ab")
+        self.log_path = self._work / "tritonserver.log"
+        return open(self.log_path, "ab")
+
     def launch(self) -> "TritonServer":
         """Start the process without waiting for it to be ready (see `start_together`)."""
         if not any(self.repo.glob("*/config.pbtxt")):
@@ -230,10 +248,7 @@ class TritonServer:
             check_stub_numpy()
         self._work = Path(tempfile.mkdtemp(prefix="specdeploy-triton-"))
         backends = None if self.tritonserver else make_backend_dir(self._work, bundled_tritonserver())
-        log = self.log_path or self._work / "tritonserver.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log
-        self._log_file = open(log, "ab")
+        self._log_file = self._open_log()
         self.process = subprocess.Popen(
             self.command(backends), stdout=self._log_file, stderr=subprocess.STDOUT,
             env=server_env(threads=self.threads), start_new_session=True,  # its own group: stop() reaches the stubs
