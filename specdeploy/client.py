@@ -202,7 +202,7 @@ class TritonLLMClient:
             # a timeout, an error or Ctrl-C cancels the request on the server: without it, closing
             # the stream waits for the whole generation
             self._client.stop_stream(cancel_requests=not finished)
-        return Completion("".join(chunks), chunks, perf, time.perf_counter() - started, first)
+        return _completion(chunks, perf, time.perf_counter() - started, first)
 
     def _http_generate(self, request: Request, stream: bool, on_text: Callable[[str], None] | None) -> Completion:
         """Triton's generate extension: JSON in; one JSON answer (generate) or server-sent events
@@ -227,7 +227,7 @@ class TritonLLMClient:
         except (requests.exceptions.Timeout, requests.exceptions.ConnectionError) as err:
             raise SpecDeployError(f"no complete answer within {self.timeout_s:g} s (connection closed): {err}",
                                   hint=HTTP_CANCEL_HINT) from err
-        return Completion("".join(chunks), chunks, perf, time.perf_counter() - started, first)
+        return _completion(chunks, perf, time.perf_counter() - started, first)
 
     def _read_events(self, response: Any, started: float,
                      on_text: Callable[[str], None] | None) -> tuple[list[str], dict[str, float], float]:
@@ -262,6 +262,11 @@ def _http_error(response: Any) -> str:
         return json.loads(body.removeprefix("data:"))["error"]
     except (ValueError, KeyError, TypeError):
         return f"HTTP {response.status_code}: {body[:300]}"
+
+
+def _completion(chunks: list[str], perf: dict[str, float], latency_s: float, first_s: float) -> Completion:
+    """An answer without text (one empty final response) had its first response at its end."""
+    return Completion("".join(chunks), chunks, perf, latency_s, first_s or latency_s)
 
 
 def _perf_in(answer: dict[str, Any]) -> dict[str, float]:

@@ -17,6 +17,7 @@ from specdeploy.runtime.decoding import eos_token_ids
 # The near-tie limit where the served numerics cannot be measured (a TensorRT-LLM server) and the
 # floor of a measured one: plain bf16 moves a top-2 margin by <= ~0.5 with the forward's shape.
 NEAR_TIE = 1.0
+PARTIAL = "\ufffd"  # what a decode of a character's first byte tokens ends in
 # The ceiling of a measured one: where the reference preferred its token by more (e^1.5 ~ 4.5x the
 # runner-up's probability), parting from it is a fault to look at, however far FP8 rounding can move
 # a margin at its rarest positions (up to 2-4 logits on the default build)
@@ -84,13 +85,16 @@ def _along_guess(model, tokenizer, prompt_ids: torch.Tensor, guess: str, max_new
     margins: list[float] = []
     while len(tokens) < max_new_tokens:
         written = tokenizer.decode(tokens, skip_special_tokens=True)
-        guessed = tokenizer(guess[len(written):], add_special_tokens=False)["input_ids"][:max_new_tokens - len(tokens)]
+        # mid-character (a character written in byte tokens): the model's own next token goes on with it
+        midway = written.endswith(PARTIAL)
+        guessed = [] if midway else \
+            tokenizer(guess[len(written):], add_special_tokens=False)["input_ids"][:max_new_tokens - len(tokens)]
         prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
         path, path_margins = greedy_path(model, prefix, guessed, eos)
         tokens, margins = tokens + path, margins + path_margins
-        if len(path) > len(guessed) or path[-1] in eos:
-            break  # past the guess's end, or an end token
-        if not guess.startswith(tokenizer.decode(tokens, skip_special_tokens=True)):
+        if path[-1] in eos or not midway and len(path) > len(guessed):
+            break  # an end token, or past the guess's end
+        if not guess.startswith(tokenizer.decode(tokens, skip_special_tokens=True).rstrip(PARTIAL)):
             break  # the reference wrote other text: where the two part
     return tokens[:max_new_tokens], margins[:max_new_tokens]
 
@@ -163,7 +167,9 @@ def compare(prompt: str, reference: Reference, served: str, tokenizer) -> Parity
     one (the reference stopped where it parted from the served answer, or was cut at
     max_new_tokens), at the first token where the served text, tokenized, parts from the
     reference's: a token the served text holds in a longer one ("\n" in "\n\n") is where they
-    chose apart; only where neither parts is there no margin."""
+    chose apart; only where neither parts is there no margin. A character the reference wrote in
+    several byte tokens parts as a whole: at its first token, judged by the largest margin among
+    its tokens (which of them chose apart the text cannot tell)."""
     if served == reference.text:
         return ParityResult(prompt, reference.text, served, True, None, None)
     ids = reference.token_ids
@@ -171,14 +177,20 @@ def compare(prompt: str, reference: Reference, served: str, tokenizer) -> Parity
     def text(n: int) -> str:
         return tokenizer.decode(ids[:n], skip_special_tokens=True)
 
-    divergence = next((i for i in range(len(ids)) if not served.startswith(text(i + 1))), None)
+    # a prefix that ends inside a character (its first byte tokens) decodes to U+FFFD: not yet text
+    divergence = next((i for i in range(len(ids)) if not text(i + 1).endswith(PARTIAL)
+                       and not served.startswith(text(i + 1))), None)
     if divergence is None:
         divergence = next(n for n in range(len(ids) + 1) if text(n) == reference.text)
         if divergence == len(ids):  # no EOS of its own: the same text tokenized apart ("\n\n" against "\n")
             served_ids = tokenizer(served, add_special_tokens=False)["input_ids"]
             divergence = next((i for i, (a, b) in enumerate(zip(ids, served_ids)) if a != b), divergence)
-    margin = reference.margins[divergence] if divergence < len(reference.margins) else None
-    return ParityResult(prompt, reference.text, served, False, divergence, margin)
+    first = divergence
+    while first > 0 and text(first).endswith(PARTIAL):
+        first -= 1  # the character they part at began earlier: at which of its byte tokens is not known
+    margins = reference.margins[first:divergence + 1]
+    margin = max(margins) if margins and divergence < len(reference.margins) else None  # the least tie among them
+    return ParityResult(prompt, reference.text, served, False, first, margin)
 
 
 def parity_holds(result: ParityResult, exact: bool, near_tie: float) -> bool:

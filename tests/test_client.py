@@ -77,3 +77,33 @@ def test_a_ready_client_has_read_the_models_config_so_no_request_pays_for_it():
     assert reads == ["tensorrt_llm_bls"]
     client._build_inputs(Request("hello"), stream=True)
     assert reads == ["tensorrt_llm_bls"]
+
+
+def test_an_answer_without_text_had_its_first_response_at_its_end():
+    """One empty final response (the first token was the end token): its time to first chunk is
+    the latency, not 0 (verify's TTFT median would take a 0 as measured)."""
+    import time
+    import types
+
+    config = _config_as_served(TEMPLATES / "inflight_batcher_llm" / "tensorrt_llm_bls" / "config.pbtxt")
+    final = types.SimpleNamespace(as_numpy=lambda name: None, get_response=lambda: types.SimpleNamespace(
+        parameters={"triton_final_response": types.SimpleNamespace(bool_param=True)}))
+
+    class Server:  # one empty final response, 50 ms after the request
+        def get_model_config(self, model, as_json=False):
+            return config
+
+        def start_stream(self, callback):
+            self.callback = callback
+
+        def async_stream_infer(self, *args, **kwargs):
+            time.sleep(0.05)
+            self.callback(final, None)
+
+        def stop_stream(self, **kwargs):
+            pass
+
+    client = TritonLLMClient("127.0.0.1:1", model="tensorrt_llm_bls")
+    client._client = Server()
+    done = client.generate(Request("hello", max_tokens=4), stream=True)
+    assert done.text == "" and done.time_to_first_chunk_s == done.latency_s > 0

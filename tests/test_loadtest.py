@@ -104,6 +104,39 @@ def test_a_level_stops_paying_only_where_speculation_lost_in_every_pass(tiny_tok
     assert speedup_cell(report["levels"][1]) == "0.87x"
 
 
+def test_a_level_with_failed_requests_measures_no_speedup_and_moves_no_break_even(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = "def add(a, b):\n    return a + b\n"
+
+    def level(walls: list[float], failed: int = 0) -> tuple[list[Timed], list[float]]:  # 2 requests per pass
+        timed = [Timed(0, 0.0, latency_s=0.5, chunk_s=[0.1], chunks=[text]) for _ in range(2 * len(walls))]
+        for request in timed[:failed]:
+            request.error, request.chunks, request.chunk_s = "the server rejected the request", [], []
+        return timed, walls
+
+    results = {SPEC: {1: level([1.0]), 2: level([1.0]), 4: level([1.0], failed=2)},
+               AR: {1: level([1.5]), 2: level([1.5]), 4: level([1.5])}}
+    report = build_report(results, tokenizer, [1, 2, 4], "exact")
+    four = report["levels"][2]
+    assert four["speedup"] is None and four["pass_speedups"] is None and speedup_cell(four) == ""
+    assert report["break_even_concurrency"] is None and report["spec_off_above"] is None  # 1 and 2 paid
+    assert report["errors"] == 2 and not report["ok"]
+
+
+def test_every_prompts_solo_output_comes_from_a_pass_of_its_own_where_concurrency_1_leaves_one_out(tiny_tokenizer_dir):
+    prompts = [f"prompt {i}" for i in range(10)]
+    assert Sweep(prompts, [1, 4], None, 8).needs_solo_pass()  # concurrency 1 sends 8 requests: prompts 0-7
+    assert not Sweep(prompts[:8], [1, 4], None, 8).needs_solo_pass()
+    assert not Sweep(prompts, [1, 4], 10, 8).needs_solo_pass()
+    assert Sweep(prompts[:4], [2, 4], None, 8).needs_solo_pass()
+    # an output whose prompt has no solo output is not a mismatch (a failed solo request is an error already)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    timed = [Timed(p, 0.0, latency_s=0.5, chunk_s=[0.1], chunks=["same"]) for p in (0, 1)]
+    results = {SPEC: {1: ([timed[0]], [1.0]), 2: (timed, [1.0])}, AR: {1: ([timed[0]], [1.0]), 2: (timed, [1.0])}}
+    report = build_report(results, tokenizer, [1, 2], "exact")
+    assert report["levels"][1][SPEC]["compared"] == 1 and report["mismatches"] == 0 and report["ok"]
+
+
 def test_levels_above_the_deployments_spec_off_above_say_nothing_of_speculating(tiny_tokenizer_dir):
     """Above its spec_off_above the deployment decodes plainly: a loss there (noise, or a round's
     bookkeeping) must not move the suggestion, nor a gain there lift the threshold."""

@@ -281,3 +281,46 @@ def test_an_answer_that_holds_the_reference_token_in_a_longer_one_parts_there(ti
     result = compare("p", ref, served, tokenizer)
     assert (result.match, result.first_divergence_token, result.margin_at_divergence) == (False, len(words), 0.25)
     assert parity_holds(result, exact=False, near_tie=1.0)
+
+
+@pytest.mark.parametrize("served, divergence, at", [
+    ("x = 'é' + z", 10, 10),  # the two agree through "é" (two byte tokens) and part at "y"
+    ("x = 'è' + y", 5, 6),  # they part inside the character: at its first token, by its largest margin
+])
+@pytest.mark.parametrize("margin", [0.1, 8.0])
+def test_a_character_written_in_byte_tokens_parts_as_a_whole(tiny_tokenizer_dir, served, divergence, at, margin):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    ids = tokenizer("x = 'é' + y", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tokenizer.decode(ids[:6]).endswith("\ufffd")  # "é" is two byte tokens here
+    margins = [5.0] * len(ids)
+    margins[5] = 0.05  # the character's first byte token: a near-tie that is not where "é" and "y" part
+    margins[at] = margin
+    result = compare("p", Greedy(ids, tokenizer.decode(ids, skip_special_tokens=True), margins), served, tokenizer)
+    assert result.first_divergence_token == divergence and result.margin_at_divergence == margin
+    assert parity_holds(result, False, 1.0) == (margin <= 1.0)
+
+
+def test_a_trtllm_answer_takes_the_same_tokens_whether_or_not_it_matches(tiny_tokenizer_dir):
+    """Without the server's own counts, an answer that stopped short of max_new_tokens took its
+    end token too (its text does not show it), as the reference's tokens count it on a match."""
+    from specdeploy.verify.trtllm_server import _trtllm_row
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text_ids = tokenizer("def add", add_special_tokens=False)["input_ids"]
+
+    class Stub:  # a reference that answers `ids`
+        def __init__(self, ids):
+            self.ids, self.tokenizer = ids, tokenizer
+
+        def check(self, prompt, served, max_new_tokens, complete=True):
+            greedy = Greedy(self.ids, tokenizer.decode(self.ids, skip_special_tokens=True), [5.0] * len(self.ids))
+            return greedy, compare(prompt, greedy, served, tokenizer)
+
+    answer = {"category": "code", "shown": "p", "text_input": "p", "served": tokenizer.decode(text_ids),
+              "perf": {"total_accepted_draft_tokens": 1}, "latency_s": 1.0, "ttft_s": 0.1}
+    longer = text_ids + tokenizer("(a", add_special_tokens=False)["input_ids"]
+    rows = [_trtllm_row(Stub(ids + [tokenizer.eos_token_id]), answer, 64) for ids in (text_ids, longer)]
+    assert rows[0]["match"] and not rows[1]["match"]
+    assert [(r["tokens"], r["target_forwards"]) for r in rows] == [(len(text_ids) + 1, len(text_ids) - 1)] * 2
+    cut = _trtllm_row(Stub(longer), answer, len(text_ids))  # cut at max_new_tokens: no end token
+    assert cut["tokens"] == len(text_ids)

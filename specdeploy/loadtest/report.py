@@ -35,7 +35,9 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
         entry: dict[str, Any] = {"concurrency": level}
         for arm in results:
             entry[arm] = summarize_level(rows[arm][level], results[arm][level][1], expected)
-        both = SPEC in entry and AR in entry and min(entry[AR]["pass_tokens_per_s"]) > 0
+        # a level where requests failed measured no speed-up: its tokens/s counts only what came back
+        both = SPEC in entry and AR in entry and not (entry[SPEC]["errors"] or entry[AR]["errors"]) \
+            and min(entry[AR]["pass_tokens_per_s"]) > 0
         entry["speedup"] = entry[SPEC]["output_tokens_per_s"] / entry[AR]["output_tokens_per_s"] if both else None
         entry["pass_speedups"] = ([spec / ar for spec, ar in zip(entry[SPEC]["pass_tokens_per_s"], entry[AR]["pass_tokens_per_s"])]
                                   if both else None)

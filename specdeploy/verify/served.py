@@ -73,12 +73,13 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Re
         if ar and not i % 2:
             baseline = ar.generate(request, stream=True)
         ref, parity = reference.check(prompt, served.text, max_new_tokens)
-        text_tokens = len(ref.token_ids) if parity.match else _count_tokens(reference.tokenizer, served.text)
+        text_tokens = answer_tokens(ref.token_ids if parity.match else None, reference.tokenizer, served.text, max_new_tokens)
         tokens, accepted, forwards = served_counts(served.perf, text_tokens)
         ar_tokens = None
         if baseline is not None:
             same = baseline.text == served.text
-            ar_tokens = served_counts(baseline.perf, text_tokens if same else _count_tokens(reference.tokenizer, baseline.text))[0]
+            ar_text_tokens = text_tokens if same else answer_tokens(None, reference.tokenizer, baseline.text, max_new_tokens)
+            ar_tokens = served_counts(baseline.perf, ar_text_tokens)[0]
         rows.append({
             "category": category, "shown": shown, **parity.as_dict(), "tokens": tokens, "perf": served.perf,
             "accepted_draft_tokens": accepted, "target_forwards": forwards,
@@ -91,5 +92,11 @@ def run_prompts(spec: TritonLLMClient, ar: TritonLLMClient | None, reference: Re
     return rows
 
 
-def _count_tokens(tokenizer: Any, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+def answer_tokens(reference_ids: list[int] | None, tokenizer: Any, text: str, max_new_tokens: int) -> int:
+    """The tokens an answer took, for a server that does not count them: the reference's, its end
+    token included, where the answer is the reference's; else its text counted, plus the end token
+    it stopped at when it stopped short of max_new_tokens (the text does not show it)."""
+    if reference_ids is not None:
+        return len(reference_ids)
+    counted = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return counted + 1 if counted < max_new_tokens else counted

@@ -19,7 +19,7 @@ from specdeploy.parity import NEAR_TIE
 from specdeploy.runtime.types import acceptance_length
 from specdeploy.verify.reference import Reference, load_prompts, load_reference
 from specdeploy.verify.reports import write_reports
-from specdeploy.verify.served import Target, _count_tokens, served_counts
+from specdeploy.verify.served import Target, answer_tokens, served_counts
 from specdeploy.verify.summary import summarize
 
 GPU_STAGE, GPU_OUT = "verify_gpu", "reports_gpu"
@@ -126,7 +126,7 @@ def _trtllm_reference(build: BuildDir, served: dict[str, Any], near_tie: float, 
 def _trtllm_row(reference: Reference, answer: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
     """One served answer judged: run_prompts' row, without an AR twin."""
     ref, parity = reference.check(answer["text_input"], answer["served"], max_new_tokens)
-    text_tokens = len(ref.token_ids) if parity.match else _count_tokens(reference.tokenizer, answer["served"])
+    text_tokens = answer_tokens(ref.token_ids if parity.match else None, reference.tokenizer, answer["served"], max_new_tokens)
     tokens, accepted, forwards = served_counts(answer["perf"], text_tokens)
     return {"category": answer["category"], "shown": answer["shown"], **parity.as_dict(), "tokens": tokens,
             "perf": answer["perf"], "accepted_draft_tokens": accepted, "target_forwards": forwards,
