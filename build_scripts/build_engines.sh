@@ -4,8 +4,8 @@
 #   build_scripts/build_engines.sh build/<name> [container image]
 #
 # Runs build/<name>/engines/build_engines.sh (written by `specdeploy build`) inside NVIDIA's
-# TensorRT-LLM container. The engine flow (trtllm-build) exists in TensorRT-LLM 0.15 - 1.3.x
-# (deprecated from 1.2, removed for 1.4); the generated script checks the version and refuses
+# TensorRT-LLM container. The engine flow (trtllm-build) exists in TensorRT-LLM 0.15 - 1.2.x
+# (deprecated from 1.2, removed from 1.3.0rc22: docs/releases.md); the generated script checks the version and refuses
 # anything else. The default image is the one the build's release names (TRTLLM_IMAGE, else
 # triton_repo/gpu_routes.json's release.triton_image). Already inside such a container
 # (trtllm-build on PATH)? The script is run directly, without docker. The engines are left

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "package": ("specdeploy.triton.stage", "stage 6: fill the Triton model repository"),
     "serve": ("specdeploy.triton.serve", "start tritonserver on the packaged repository (loopback)"),
     "client": ("specdeploy.client", "send a request to a running server with tritonclient"),
-    "export": ("specdeploy.modules.export", "write a build's module in an engine's layout: trtllm, speculators (vLLM), dflash"),
+    "export": ("specdeploy.modules.export", "write a build's module in an engine's layout: trtllm, speculators (vLLM), dflash, sglang"),
     "verify": ("specdeploy.verify.command", "parity vs the Hugging Face reference, acceptance, speed-up, through Triton"),
     "generate": ("specdeploy.runtime.command", "generate in-process with the speculative-decoding runtime"),
     "bench": ("specdeploy.bench", "benchmark autoregressive vs speculative vs HF assisted generation"),

@@ -160,7 +160,8 @@ def _draft_dir(opts: EngineOptions) -> str | None:
             raise SpecDeployError(f"DRAFT is only used with SPEC=draft, not SPEC={opts.spec}", hint="drop DRAFT or set SPEC=draft")
         return None
     if not opts.draft:
-        raise SpecDeployError("SPEC=draft needs a draft model", hint="pass DRAFT=<hf folder | .gguf | bundled name>, e.g. qwen2.5-coder-0.5b")
+        raise SpecDeployError("SPEC=draft needs a draft model", hint="pass DRAFT=<hf folder | .gguf | bundled name> to make (--draft to specdeploy engine), "
+                                                          "e.g. qwen2.5-coder-0.5b")
     from specdeploy.checkpoints import load_tokenizer
     from specdeploy.resolve import resolve_model_dir
     from specdeploy.runtime.proposers.draft import check_tokenizers
@@ -231,12 +232,13 @@ def print_summary(build: BuildDir, rows: list[dict], opts: EngineOptions) -> Non
 def next_commands(build: BuildDir, opts: EngineOptions) -> str:
     """How to serve and verify this build: make variables when they name it, else the CLI."""
     if build.root.name != build_name(opts.model, opts.spec, opts.quant, opts.module):  # an explicit --build-dir
-        return f"specdeploy serve --build-dir {build.root}   then   specdeploy verify --build-dir {build.root}"
+        return (f"specdeploy verify --build-dir {build.root} (it starts its own servers); "
+                f"specdeploy serve --build-dir {build.root} serves the build until Ctrl-C")
     flags = f"MODEL={opts.model} SPEC={opts.spec} QUANT={opts.quant}" + (f" DRAFT={opts.draft}" if opts.draft else "")
     flags += f" MODULE={opts.module}" if opts.module else ""
     if build.root.parent.resolve() != Path("build").resolve():
         flags += f" BUILD={build.root.parent}"
-    return f"make serve {flags}   then   make verify {flags}"
+    return f"make verify {flags} (it starts its own servers); make serve {flags} serves the build until Ctrl-C"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -248,8 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="SPEC=draft: the draft model (folder, .gguf or bundled name)")
     parser.add_argument("--kv-cache", choices=["fp8", "none"], help="KV-cache quantization (default: follows --quant)")
     parser.add_argument("--spec-preset", choices=["quick", "long"], default="quick",
-                        help="module training budget: quick (~7-12 min on 2 cores with native bf16, default) or long (~70 min); "
-                             "see the README's preset table")
+                        help="module training budget: quick (default; on a CPU the spec stage takes ~4-8 min on 2 cores with "
+                             "native bf16) or long (~70 min); see the preset table in docs/environment.md")
     parser.add_argument("--dtype", choices=DEPLOY_DTYPES, default="bfloat16",
                         help="the deployment's weight dtype (what TensorRT-LLM loads and the CPU repository serves): the "
                              "base is cast to it, also with --quant none; float32 keeps an fp32 base unchanged (--quant "

@@ -224,10 +224,11 @@ def test_next_commands_name_the_build_that_was_made(tmp_path):
 
     opts = EngineOptions(model="smollm2-135m", spec="eagle", quant="fp8")
     assert next_commands(BuildDir(Path("build") / "smollm2-135m-eagle-fp8"), opts) == (
-        "make serve MODEL=smollm2-135m SPEC=eagle QUANT=fp8   then   make verify MODEL=smollm2-135m SPEC=eagle QUANT=fp8")
+        "make verify MODEL=smollm2-135m SPEC=eagle QUANT=fp8 (it starts its own servers); "
+        "make serve MODEL=smollm2-135m SPEC=eagle QUANT=fp8 serves the build until Ctrl-C")
     elsewhere = next_commands(BuildDir(tmp_path / "smollm2-135m-eagle-fp8"), opts)
-    assert f"make serve MODEL=smollm2-135m SPEC=eagle QUANT=fp8 BUILD={tmp_path} " in elsewhere
-    assert next_commands(BuildDir(tmp_path / "mine"), opts).startswith(f"specdeploy serve --build-dir {tmp_path / 'mine'}")
+    assert f"make verify MODEL=smollm2-135m SPEC=eagle QUANT=fp8 BUILD={tmp_path} " in elsewhere
+    assert next_commands(BuildDir(tmp_path / "mine"), opts).startswith(f"specdeploy verify --build-dir {tmp_path / 'mine'}")
 
 
 def test_engine_plans_the_cpu_draft_shape_by_default_and_package_alone_keeps_converts():

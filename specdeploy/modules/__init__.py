@@ -11,7 +11,7 @@ other engines by `specdeploy export`.
     medusa.py           Medusa heads as FasterDecoding/Medusa and ModelOpt save them
     spec.py             Module <-> spec/, the engines' defaults, the checks against the base
     stage.py            the import stage (stage name "spec") and its acceptance gate; `specdeploy spec import`
-    export.py           `specdeploy export --format trtllm|speculators|dflash`
+    export.py           `specdeploy export --format trtllm|speculators|dflash|sglang`
 
 A layout file has NAME, matches(folder) and read(folder) -> Module; the detector tries them in
 LAYOUTS order (the most specific first). Nothing here imports ModelOpt at import time.

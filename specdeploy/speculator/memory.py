@@ -116,7 +116,8 @@ def check_disk(folder: Path, needed: int) -> None:
         raise SpecDeployError(
             f"self-distillation would write ~{needed / GiB:.1f} GiB of hidden states under {folder}, "
             f"which has {free / GiB:.1f} GiB free",
-            hint="options: fewer samples (--num-prompts, --teacher-forced); point SPECDEPLOY_CACHE at a larger disk",
+            hint="options: fewer samples (`spec train --num-prompts / --teacher-forced`, `engine --spec-prompts`); "
+                 "point SPECDEPLOY_CACHE at a larger disk",
         )
 
 

@@ -42,7 +42,7 @@ def dflash_draft(spec_dir: Path | None, out: Path, dtype: str = "bfloat16") -> P
     ready = Path(spec_dir or ".") / "dflash_export"
     if spec_dir is None or not ((ready / "config.json").is_file() and list(ready.glob("*.safetensors"))):
         raise SpecDeployError(f"DFlash on the LLM-API route needs the spec stage's export ({ready})",
-                              hint="re-run `specdeploy spec --spec dflash`: it writes spec/dflash_export")
+                              hint="re-run `specdeploy spec train --spec dflash`: it writes spec/dflash_export")
     config = with_dtype(json.loads((ready / "config.json").read_text()), dtype)
     final = out / DFLASH_FOLDER
     shutil.rmtree(final, ignore_errors=True)
@@ -139,7 +139,7 @@ def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path, dt
         raise SpecDeployError("EAGLE-3 on the LLM-API route needs the spec stage output (spec/)")
     if not is_eagle3(spec):
         raise SpecDeployError("this EAGLE module is EAGLE-1/2 shaped; TensorRT-LLM's LLM API runs EAGLE-3 drafts only",
-                              hint="train the module with `specdeploy spec` (ModelOpt EAGLE-3)")
+                              hint="train the module with `specdeploy spec train` (ModelOpt EAGLE-3)")
     ready = Path(spec_dir) / "eagle3_export"
     if not ((ready / "config.json").exists() and list(ready.glob("*.safetensors"))):
         ready = export_eagle3(base_dir, Path(spec_dir), out / ".eagle3_export")

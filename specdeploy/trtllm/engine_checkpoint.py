@@ -44,7 +44,8 @@ def quant_config(src: HFSource, kind: str, pp: int = 1) -> dict[str, Any]:
             raise SpecDeployError(
                 f"{len(kept)} decoder Linears are unquantized (quantize --exclude) and --pp-size is {pp}: TRT-LLM matches "
                 "exclude_modules against each pipeline stage's local layer names, so they would land on the wrong layers",
-                hint="use --pp-size 1 (or --tp-size) for a mixed-precision checkpoint, or quantize without --exclude",
+                hint="use --pp-size 1 (or --tp-size) for a mixed-precision checkpoint, or quantize without --exclude "
+                     "(specdeploy engine: --quant-exclude)",
             )
         # The embedding is not a quantized GEMM in TRT-LLM; lm_head stays in the model dtype.
         spec_module = ["medusa_heads*"] if kind == "medusa" else []

@@ -240,7 +240,7 @@ def dflash_fields(spec: Any, structure: DraftStructure) -> dict[str, Any]:
     layers = (config.get("dflash_architecture_config") or {}).get("target_layer_ids")
     if config.get("dflash_mask_token_id") is None or not layers:
         raise SpecDeployError("spec_config.json names no dflash_mask_token_id / target_layer_ids",
-                              hint="re-run `specdeploy spec --spec dflash`: it records both")
+                              hint="re-run `specdeploy spec train --spec dflash`: it records both")
     block = int(config.get("dflash_block_size") or spec.config.get("block_size"))
     if structure.mode != "chain" or structure.max_draft_len > block - 1:
         raise SpecDeployError(f"DFlash drafts a chain of at most block_size - 1 = {block - 1} tokens, not "
@@ -254,7 +254,7 @@ def layers_to_capture(spec: Any) -> list[int]:
     layers = arch.get("eagle_aux_hidden_state_layer_ids")
     if not layers:
         raise SpecDeployError("spec_config.json names no eagle_aux_hidden_state_layer_ids",
-                              hint="re-run `specdeploy spec`: it records the layers the module was trained on")
+                              hint="re-run `specdeploy spec train`: it records the layers the module was trained on")
     return sorted(set(int(i) for i in layers))
 
 

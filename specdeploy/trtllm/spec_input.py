@@ -44,7 +44,7 @@ def load_spec(spec_dir: str | Path | None, *, kind: str | None = None, draft_mod
     if kind in ("medusa", "eagle", "dflash"):
         module_file = Path(spec_dir or ".") / "module.safetensors"
         if not module_file.exists():
-            raise SpecDeployError(f"{module_file} not found", hint="run `specdeploy spec` first: it writes the trained module there")
+            raise SpecDeployError(f"{module_file} not found", hint="run `specdeploy spec train` first: it writes the trained module there")
         from safetensors.torch import load_file
 
         spec.module = load_file(str(module_file))
