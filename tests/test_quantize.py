@@ -202,6 +202,24 @@ def test_stage_is_skipped_when_complete(fp8_build):
     assert again == fp8_build.path("quantized") and fp8_build.record("quantize") == record
 
 
+def test_a_retrained_module_calibrates_the_base_again_only_where_the_stage_reads_it(tmp_path, tiny128_dir):
+    """Without the report and --quantize-spec the module is not read: a new one keeps the base's
+    quantization (minutes to hours of calibration on a large base)."""
+    build = _build(tmp_path, tiny128_dir)
+
+    def module(content: str) -> None:
+        with build.stage("spec", "spec", {"module": content}) as tmp:
+            (tmp / "module.safetensors").write_text(content)
+
+    module("first")
+    Q.run(build, "fp8", "fp8", calib_size=2, calib_seq_len=32, report=False)
+    record = build.record("quantize")
+    assert set(record["inputs"]) == {"resolve"}
+    module("retrained")
+    assert Q.run(build, "fp8", "fp8", calib_size=2, calib_seq_len=32, report=False) == build.path("quantized")
+    assert build.record("quantize") == record  # complete: not calibrated again
+
+
 def _modelopt_reference(model_dir: Path, qformat: str, kv: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(ModelOpt's in-memory fake-quant model, a fresh export of it loaded by our loader)."""
     from transformers import AutoModelForCausalLM

@@ -51,6 +51,10 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
     spec_dir = build.path("spec") if build.record("spec") else None
     if quantize_spec and spec_dir is None:
         raise SpecDeployError("--quantize-spec needs a trained module in spec/", hint="run `specdeploy spec train` first")
+    # the module matters to the report (its acceptance on the quantized base) and to --quantize-spec
+    # only: otherwise a retrained module does not calibrate the base again (hours on a 70B one)
+    if not (report or quantize_spec):
+        spec_dir = None
     consumes = ("resolve", "spec") if spec_dir is not None else ("resolve",)
     settings = {"qformat": qformat, "kv_cache": kv_cache, "calib_size": calib_size, "calib_seq_len": calib_seq_len,
                 "quantize_spec": quantize_spec, "dtype": dtype, "awq_block_size": awq_block_size,
