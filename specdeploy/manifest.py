@@ -161,8 +161,14 @@ class BuildDir:
     @contextmanager
     def _locked(self, stage: str) -> Iterator[None]:
         """The build's lock for one stage, or a clear refusal naming the run that holds it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / LOCK, "a+") as handle:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            handle = open(self.root / LOCK, "a+")
+        except OSError as err:
+            raise SpecDeployError(f"cannot write {self.root} ({err.strerror}): stage '{stage}' was not started",
+                                  hint="run it on a writable copy of the build (serving a build needs no write "
+                                       "access)") from err
+        with handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -76,6 +76,10 @@ def test_a_second_run_on_a_build_being_written_is_refused_with_the_first_ones_pi
     with again.stage("package", "triton_repo", {}) as tmp:  # free once the first run's stage ended
         (tmp / "p").write_text("second")
     assert build.completed("package", {})
+    (tmp_path / "taken").write_text("a file where the build would be")  # as unwritable as a read-only mount
+    with pytest.raises(SpecDeployError, match=r"cannot write .*taken \(File exists\): stage 'resolve' was not started"):
+        with BuildDir(tmp_path / "taken").stage("resolve", "base", {}):
+            pass
 
 
 def test_downstream_stage_reruns_when_its_input_changes(tmp_path):
