@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -407,6 +408,10 @@ def test_spec_import_and_export_on_the_command_line(base, tmp_path, capsys):
     assert "no speculators layout holds Medusa heads" in capsys.readouterr().err
     assert cli.main(["spec", "import", *build, "--module", str(source), "--module-accept", "tokenizer"]) == 2
     assert "acceptable differences: verifier, rope" in capsys.readouterr().err
+    record = BuildDir(tmp_path / "build").record("spec")
+    moved = shutil.move(source, tmp_path / "elsewhere")  # the same files in another folder: imported already
+    assert cli.main(["spec", "import", *build, "--module", str(moved)]) == 0
+    assert BuildDir(tmp_path / "build").record("spec") == record
 
 
 # ------------------------------------------------------------------------------ the gate

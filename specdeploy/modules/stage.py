@@ -42,7 +42,9 @@ def run(build: BuildDir, spec: str, module_dir: str | Path, *, allow_pickle: boo
         gate_floor: float = GATE_FLOOR, device: Any = "auto", trust_remote_code: bool = False) -> Path:
     """Stage `spec` from a module folder: build/<name>/spec/ as the spec stage's contract has it."""
     source = Path(module_dir).expanduser().resolve()
-    settings = {"kind": spec, "module": str(source), "files": fingerprint(source, allow_pickle=allow_pickle),
+    # keyed on the files' content, not the folder's path: the same module moved elsewhere is not imported
+    # again (spec_config.json records where it was read from)
+    settings = {"kind": spec, "files": fingerprint(source, allow_pickle=allow_pickle),
                 "accept": sorted(accept), "gate_floor": gate_floor, "import_format": IMPORT_FORMAT}  # a higher floor gates again
     if build.completed(STAGE, settings, consumes=("resolve",)):
         return build.path(OUT)
