@@ -194,6 +194,26 @@ BAD_GRPC = [
 ]
 
 
+def test_a_word_list_sent_to_tensorrt_llm_is_read_in_its_layout_or_refused_by_name(monkeypatch):
+    """TensorRT-LLM's [2, n] word lists (ids, then each word's end offset, -1 padded), as a client
+    calling tensorrt_llm directly sends them (to_word_list_format)."""
+    import types
+
+    from specdeploy.triton.serving.requests import BadRequest, Inputs
+
+    sent: dict = {}
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(
+        get_input_tensor_by_name=lambda request, name: types.SimpleNamespace(as_numpy=lambda: sent[name])))
+    sent["stop_words_list"] = np.array([[[5, 6, 7, 0], [2, 3, -1, -1]]])
+    assert Inputs(None).words("stop_words_list") == [[5, 6], [7]]
+    sent["stop_words_list"] = np.array([[[5, 6, 0, 0], [2, 9, -1, -1]]])
+    with pytest.raises(BadRequest, match=r"end offsets \[2, 9\] must rise and stay within its 4 ids"):
+        Inputs(None).words("stop_words_list")
+    sent["stop_words_list"] = np.array([[5, 6, 7]])
+    with pytest.raises(BadRequest, match=r"stop_words_list must be \[2, n\]"):
+        Inputs(None).words("stop_words_list")
+
+
 @pytest.mark.parametrize("extra,message", BAD_GRPC, ids=[m[:30] for _, m in BAD_GRPC])
 def test_bad_sampling_inputs_get_a_clear_error(server, stream, extra, message):
     with pytest.raises(InferenceServerException, match=message) as err:

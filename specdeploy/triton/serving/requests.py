@@ -97,8 +97,15 @@ class Inputs:
         array = self.array(name)
         if array is None:
             return []
-        data = np.asarray(array).reshape(2, -1)
+        data = np.asarray(array)
+        if data.size % 2:
+            raise BadRequest(f"{name} must be [2, n]: the words' ids, then their end offsets (TensorRT-LLM's layout); "
+                             f"got {data.size} values")
+        data = data.reshape(2, -1)
         ids, ends = data[0].tolist(), [int(e) for e in data[1] if e >= 0]
+        if ends != sorted(ends) or any(end > len(ids) for end in ends):
+            raise BadRequest(f"{name}'s end offsets {ends} must rise and stay within its {len(ids)} ids "
+                             "(TensorRT-LLM's to_word_list_format writes them)")
         return [ids[start:end] for start, end in zip([0] + ends[:-1], ends) if end > start]
 
 
