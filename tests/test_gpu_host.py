@@ -573,6 +573,15 @@ def test_verify_trtllm_phases_split_the_server_from_the_reference(tmp_path, buil
     monkeypatch.setattr(trtllm_server, "TritonLLMClient", Server)
     assert cli_main([*served, "--device", "cpu"]) == 0
     assert (build / trtllm_server.GPU_SERVED).exists() and json.loads((build / "reports_gpu" / "verify.json").read_text())["summary"]["parity_ok"]
+    # a release whose llmapi model returns no draft counts: no acceptance length, rather than a measured-looking 1.00
+    for answer in answers["prompts"]:
+        answer["perf"] = {}
+    (tmp_path / "served.json").write_text(json.dumps(answers))
+    assert cli_main([*judged, "--phase", "reference", "--served-file", str(tmp_path / "served.json"),
+                     "--ar-lower-bound", "1.0"]) == 1
+    report = json.loads((build / "reports_gpu" / "verify.json").read_text())
+    assert report["summary"]["parity_ok"] and report["summary"]["acceptance_length"] is None
+    assert "acceptance length not reported by the server" in (build / "reports_gpu" / "verify.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ def write_reports(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         margin = f"{r['margin_at_divergence']:.3f}" if r["margin_at_divergence"] is not None else "-"
         ar_tokens = "" if r.get("ar_tokens") is None else f" ({r['ar_tokens']})"
+        accepted = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         lines.append(f"| {r['category']} | {r['match']} | {_first(r)} | {margin} | "
-                     f"{r['acceptance_length']:.2f} | {r['tokens']}{ar_tokens} | {speedup} |")
+                     f"{accepted} | {r['tokens']}{ar_tokens} | {speedup} |")
     for name, report in (("a. Exactness", summary.get("exactness")), ("c. Fidelity", summary.get("fidelity"))):
         if report:
             lines += ["", f"## {name}", "", f"Rule: {report['rule']}.", "", "| prompt | identical | first difference |", "|---|---|---|"]
@@ -46,7 +47,7 @@ def _plots(out: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.hist([r["acceptance_length"] for r in rows], bins=10)
+    ax.hist([r["acceptance_length"] for r in rows if r["acceptance_length"] is not None], bins=10)  # none: not reported
     ax.set(xlabel="acceptance length (tokens per target forward)", ylabel="prompts", title="Acceptance length")
     fig.tight_layout()
     fig.savefig(out / "acceptance_length.png", dpi=100)

@@ -36,7 +36,10 @@ def parity_rule(dtype: str, quant: dict[str, Any]) -> str:
     return "exact" if dtype == "float64" or (dtype == "float32" and not rounds_activations(quant)) else "near-tie"
 
 
-def _acceptance(rows: list[dict[str, Any]]) -> float:
+def _acceptance(rows: list[dict[str, Any]]) -> float | None:
+    """None where the server returned no draft counts (an llmapi model without perf outputs)."""
+    if any(r["accepted_draft_tokens"] is None for r in rows):
+        return None
     return acceptance_length(sum(r["accepted_draft_tokens"] for r in rows), sum(r["target_forwards"] for r in rows))
 
 
@@ -112,9 +115,11 @@ def headlines(summary: dict[str, Any]) -> list[str]:
                      f"{exact['identical']}/{exact['prompts']} identical, acceptance length {exact['acceptance_length']:.2f}"
                      f" -> {'PASS' if exact['ok'] else 'FAIL'} (rule: 100% identical)")
     speed = "" if summary.get("speedup") is None else f", speed-up {summary['speedup']:.2f}x over the AR twin"
+    accepted = summary["acceptance_length"]
+    accepted = "not reported by the server (no draft counts)" if accepted is None else f"{accepted:.2f}"
     lines.append(f"b. served ({summary['dtype']}): parity {'PASS' if summary['parity_ok'] else 'FAIL'} "
                  f"({summary['parity_rule']}; {summary['exact_match_rate']:.0%} identical{_margins(summary)}), "
-                 f"acceptance length {summary['acceptance_length']:.2f}{speed}")
+                 f"acceptance length {accepted}{speed}")
     tie = summary.get("near_tie_measured")
     if tie:
         lines.append(f"   near-tie limit {tie['limit']:.3g}: {tie['rule']} (largest {tie['largest_shift']:.3f}, "

@@ -128,7 +128,10 @@ def _trtllm_row(reference: Reference, answer: dict[str, Any], max_new_tokens: in
     ref, parity = reference.check(answer["text_input"], answer["served"], max_new_tokens)
     text_tokens = answer_tokens(ref.token_ids if parity.match else None, reference.tokenizer, answer["served"], max_new_tokens)
     tokens, accepted, forwards = served_counts(answer["perf"], text_tokens)
+    if "total_accepted_draft_tokens" not in answer["perf"]:  # a release whose llmapi model returns no draft counts
+        accepted = forwards = None
     return {"category": answer["category"], "shown": answer["shown"], **parity.as_dict(), "tokens": tokens,
             "perf": answer["perf"], "accepted_draft_tokens": accepted, "target_forwards": forwards,
-            "acceptance_length": acceptance_length(accepted, forwards), "latency_s": answer["latency_s"],
+            "acceptance_length": None if accepted is None else acceptance_length(accepted, forwards),
+            "latency_s": answer["latency_s"],
             "ttft_s": answer["ttft_s"], "ar_latency_s": None, "ar_tokens": None, "ar_matches": None, "speedup": None}
