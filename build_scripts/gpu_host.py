@@ -460,7 +460,8 @@ def pin_decoupled(config: Path, decoupled: bool) -> None:
     load non-decoupled while model.py streams, and a streamed request never completes. Stated
     here, it holds either way (auto-complete accepts an equal value)."""
     text = config.read_text()
-    declared = re.search(r"model_transaction_policy\s*\{[^}]*decoupled\s*:\s*(\w+)", text)
+    # NVIDIA's config carries the block commented out ("# model_transaction_policy {" ...): not a declaration
+    declared = re.search(r"model_transaction_policy\s*\{[^}]*decoupled\s*:\s*(\w+)", re.sub(r"(?m)#.*$", "", text))
     if declared:
         if (declared.group(1).lower() == "true") != decoupled:
             raise Refusal(EXIT_IMAGE, f"{config} declares decoupled: {declared.group(1)}, the build's model.yaml "

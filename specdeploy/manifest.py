@@ -24,11 +24,12 @@ import os
 import platform
 import re
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, cached_sha256, share_written
@@ -161,30 +162,51 @@ class BuildDir:
     @contextmanager
     def _locked(self, stage: str) -> Iterator[None]:
         """The build's lock for one stage, or a clear refusal naming the run that holds it."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            handle = open(self.root / LOCK, "a+")
-        except OSError as err:
-            raise SpecDeployError(f"cannot write {self.root} ({err.strerror}): stage '{stage}' was not started",
-                                  hint="run it on a writable copy of the build (serving a build needs no write "
-                                       "access)") from err
-        with handle:
+        with self._lock_file(stage) as handle:
+            locked = self._acquire(handle, stage)
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                raise SpecDeployError(f"another specdeploy run is writing {self.root} ({holder}): stage '{stage}' "
-                                      "was not started", hint="wait for that run to end, or give this one another "
-                                      "--build-dir / --build-root") from None
+                yield
+            finally:
+                if locked:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _acquire(self, handle: IO[str], stage: str) -> bool:
+        """Take the lock and say who holds it (where the file is writable); False where the file
+        system has no locks (ENOLCK: some NFS and FUSE mounts)."""
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise SpecDeployError(f"another specdeploy run is writing {self.root} ({holder}): stage '{stage}' "
+                                  "was not started", hint="wait for that run to end, or give this one another "
+                                  "--build-dir / --build-root") from None
+        except OSError as err:
+            print(f"specdeploy: {self.root} cannot be locked ({err.strerror}): one run at a time, please", file=sys.stderr)
+            return False
+        if handle.writable():
             handle.seek(0)
             handle.truncate()
             handle.write(f"pid {os.getpid()}, stage {stage}")
             handle.flush()
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+    def _lock_file(self, stage: str) -> IO[str]:
+        """<build>/.lock, open to write who holds it; read-only where another user made it (a
+        shared build: flock needs no write access)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return open(self.root / LOCK, "a+")
+        except PermissionError:
+            if (self.root / LOCK).is_file() and os.access(self.root, os.W_OK):
+                return open(self.root / LOCK)
+            raise self._unwritable(stage, "permission denied") from None
+        except OSError as err:
+            raise self._unwritable(stage, err.strerror) from err
+
+    def _unwritable(self, stage: str, why: str) -> SpecDeployError:
+        return SpecDeployError(f"cannot write {self.root} ({why}): stage '{stage}' was not started",
+                               hint="run it on a writable copy of the build (serving a build needs no write access)")
 
     def _write_record(
         self, stage: str, out_dir: str, settings: dict, inputs: dict, started: float, device: str | None,

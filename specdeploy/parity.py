@@ -186,7 +186,7 @@ def compare(prompt: str, reference: Reference, served: str, tokenizer) -> Parity
             served_ids = tokenizer(served, add_special_tokens=False)["input_ids"]
             divergence = next((i for i, (a, b) in enumerate(zip(ids, served_ids)) if a != b), divergence)
     first = divergence
-    while first > 0 and text(first).endswith(PARTIAL):
+    while first > 0 and text(first).endswith(PARTIAL) and not served.startswith(text(first)):
         first -= 1  # the character they part at began earlier: at which of its byte tokens is not known
     margins = reference.margins[first:divergence + 1]
     margin = max(margins) if margins and divergence < len(reference.margins) else None  # the least tie among them

@@ -82,6 +82,41 @@ def test_a_second_run_on_a_build_being_written_is_refused_with_the_first_ones_pi
             pass
 
 
+def test_a_shared_build_locks_through_a_lock_file_another_user_made(tmp_path, monkeypatch, capsys):
+    """Another user's 0644 .lock in a build both may write: locked read-only (flock needs no write
+    access); and a file system without locks (ENOLCK) runs the stage with a warning."""
+    import errno
+
+    from specdeploy import manifest
+
+    build = BuildDir(tmp_path / "b")
+    with build.stage("resolve", "base", {}) as tmp:
+        (tmp / "a").write_text("1")
+    owner = (tmp_path / "b" / ".lock").read_text()
+
+    def as_another_user(path, mode="r", *args, **kwargs):
+        if "+" in mode or "w" in mode or "a" in mode:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return open(path, mode, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(manifest, "open", as_another_user, raising=False)
+        with build.stage("quantize", "quantized", {}) as tmp:
+            (tmp / "q").write_text("q")
+            with pytest.raises(SpecDeployError, match="another specdeploy run is writing"):  # and it is held
+                with BuildDir(tmp_path / "b").stage("package", "triton_repo", {}):
+                    pass
+    assert build.completed("quantize", {}) and (tmp_path / "b" / ".lock").read_text() == owner
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(manifest.fcntl, "flock", no_locks)
+    with build.stage("package", "triton_repo", {}) as tmp:
+        (tmp / "p").write_text("p")
+    assert build.completed("package", {}) and "cannot be locked (No locks available)" in capsys.readouterr().err
+
+
 def test_downstream_stage_reruns_when_its_input_changes(tmp_path):
     build = BuildDir(tmp_path / "b")
     with build.stage("resolve", "base", {}) as tmp:

@@ -417,6 +417,11 @@ def test_assembly_is_readable_by_another_user(tmp_path, build):
 LLMAPI_CONFIG = """
 name: "tensorrt_llm"
 backend: "python"
+
+# As NVIDIA's config.pbtxt comments it out (TensorRT-LLM triton_backend/all_models/llmapi):
+# model_transaction_policy {
+#  decoupled: False
+# }
 instance_group [ { count: 1 kind: KIND_CPU } ]
 input [ { name: "text_input" data_type: TYPE_STRING dims: [ -1 ] } ]
 output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]

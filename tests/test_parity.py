@@ -324,3 +324,19 @@ def test_a_trtllm_answer_takes_the_same_tokens_whether_or_not_it_matches(tiny_to
     assert [(r["tokens"], r["target_forwards"]) for r in rows] == [(len(text_ids) + 1, len(text_ids) - 1)] * 2
     cut = _trtllm_row(Stub(longer), answer, len(text_ids))  # cut at max_new_tokens: no end token
     assert cut["tokens"] == len(text_ids)
+
+
+def test_a_replacement_character_both_wrote_is_text_not_a_character_begun():
+    """U+FFFD the model wrote (an invalid byte sequence), which the served answer holds too: the
+    divergence after it is where they part, judged by the margin there."""
+    vocab = {0: "a", 1: "b", 2: "\ufffd", 3: "c", 9: ""}
+
+    class Tokenizer:  # one token a character
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(vocab[i] for i in ids)
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [{v: k for k, v in vocab.items() if v}[c] for c in text]}
+
+    result = compare("p", Greedy([0, 2, 1, 9], "a\ufffdb", [5.0, 6.0, 0.2, 3.0]), "a\ufffdc", Tokenizer())
+    assert (result.first_divergence_token, result.margin_at_divergence) == (2, 0.2)
