@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from specdeploy.speculator import distill as distill_mod
-from specdeploy.speculator.distill import Job, _remove_orphans, cache_key, distill
+from specdeploy.speculator.distill import Job, _remove_orphans, _temp_shard, cache_key, distill
 from specdeploy.speculator.shards import ShardedData, within_sample
 from specdeploy.speculator.train import TrainSettings, data_layers, train
 from tests.tiny import make_llama
@@ -86,13 +86,14 @@ def test_cache_key_follows_the_weights_not_the_folder(tiny_llama_dir, tmp_path):
 
 def test_temp_shards_of_killed_runs_are_removed_and_a_running_ones_kept(tmp_path):
     folder = tmp_path / "gen-00000-4"
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, running = (tmp_path / f".{folder.name}.{pid}.partial" for pid in (int(gone.stdout), os.getpid()))
-    for tmp in (dead, running):
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    dead, running = (_temp_shard(folder, pid) for pid in (gone, os.getpid()))
+    elsewhere = tmp_path / f".{folder.name}.another-host-{gone}.partial"  # a cache shared with another host
+    for tmp in (dead, running, elsewhere):
         (tmp / "x").parent.mkdir()
         (tmp / "x").write_bytes(b"half a shard")
     _remove_orphans([Job(folder, "generate", [], 4)])
-    assert not dead.exists() and running.exists()
+    assert not dead.exists() and running.exists() and elsewhere.exists()
 
 
 def test_ranks_list_the_missing_shards_before_any_is_made(tiny_llama_dir, tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -272,11 +273,18 @@ def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device,
     bar.close()
 
 
+def _temp_shard(final: Path, pid: int) -> Path:
+    """Where a process writes a shard before it appears: named by its host and pid (a cache
+    shared over the network can have other hosts' runs in it)."""
+    return final.with_name(f".{final.name}.{socket.gethostname()}-{pid}.partial")
+
+
 def _remove_orphans(jobs: list[Job]) -> None:
-    """Temp shards of runs that were killed (their pid is gone): up to a shard's size each."""
+    """Temp shards of this host's runs that were killed (their pid is gone): up to a shard's size each."""
     for job in jobs:
-        for tmp in job.folder.parent.glob(f".{job.folder.name}.*.partial"):
-            pid = tmp.name.removeprefix(f".{job.folder.name}.").removesuffix(".partial")
+        mine = _temp_shard(job.folder, 0).name.removesuffix("0.partial")
+        for tmp in job.folder.parent.glob(f"{mine}*.partial"):
+            pid = tmp.name.removeprefix(mine).removesuffix(".partial")
             if pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(tmp, ignore_errors=True)
 
@@ -292,7 +300,7 @@ def _alive(pid: int) -> bool:
 
 
 def _publish(data: DistillData, final: Path) -> None:
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
+    tmp = _temp_shard(final, os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     save(data, tmp)
     try:
