@@ -276,15 +276,19 @@ def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device,
 def _temp_shard(final: Path, pid: int) -> Path:
     """Where a process writes a shard before it appears: named by its host and pid (a cache
     shared over the network can have other hosts' runs in it)."""
-    return final.with_name(f".{final.name}.{socket.gethostname()}-{pid}.partial")
+    return final.with_name(f"{_temp_prefix(final)}{pid}.partial")
+
+
+def _temp_prefix(final: Path) -> str:
+    return f".{final.name}.{socket.gethostname()}-"
 
 
 def _remove_orphans(jobs: list[Job]) -> None:
     """Temp shards of this host's runs that were killed (their pid is gone): up to a shard's size each."""
     for job in jobs:
-        mine = _temp_shard(job.folder, 0).name.removesuffix("0.partial")
-        for tmp in job.folder.parent.glob(f"{mine}*.partial"):
-            pid = tmp.name.removeprefix(mine).removesuffix(".partial")
+        prefix = _temp_prefix(job.folder)
+        for tmp in job.folder.parent.glob(f"{prefix}*.partial"):
+            pid = tmp.name.removeprefix(prefix).removesuffix(".partial")
             if pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(tmp, ignore_errors=True)
 
@@ -294,8 +298,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's
-        return True
+    except PermissionError:  # another user's process
+        pass
     return True
 
 
