@@ -63,6 +63,13 @@ class Bench:
     plans: dict[str, dict] = field(default_factory=dict)
     draft_options: dict[str, Any] = field(default_factory=dict)  # how the draft row drafts (proposers/draft.py)
 
+    def __post_init__(self) -> None:
+        from specdeploy.checkpoints import plain_greedy
+
+        for model in (self.target, self.draft):  # Hugging Face's rows decode what the runtime's do: plain argmax
+            if model is not None:
+                plain_greedy(model)
+
     def runner(self, method: str) -> Callable[[list[int]], Run]:
         if method == "ar":
             return self._runtime(None, None)
@@ -116,7 +123,7 @@ class Bench:
     def _hf(self, method: str) -> Callable[[list[int]], Run]:
         from transformers import GenerationConfig
 
-        # a clean greedy config: an instruct model's own generation_config may sample or penalise
+        # the models' own generation_config is plain (__post_init__): only what is set here applies
         config = GenerationConfig(
             max_new_tokens=self.max_new_tokens,
             do_sample=False,

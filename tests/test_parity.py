@@ -340,3 +340,37 @@ def test_a_replacement_character_both_wrote_is_text_not_a_character_begun():
 
     result = compare("p", Greedy([0, 2, 1, 9], "a\ufffdb", [5.0, 6.0, 0.2, 3.0]), "a\ufffdc", Tokenizer())
     assert (result.first_divergence_token, result.margin_at_divergence) == (2, 0.2)
+
+
+def test_every_hugging_face_generate_decodes_plain_argmax_whatever_the_generation_config(tiny_llama_dir, tmp_path):
+    """An instruct model's generation_config.json (Qwen2.5's repetition_penalty 1.05, ...) fills every
+    field a generate() call leaves unset in transformers 5, a GenerationConfig passed in too: verify's
+    reference, the distillation's answers and bench's Hugging Face rows would then not be the plain
+    argmax the served runtime decodes."""
+    import shutil
+
+    from specdeploy.bench import Bench
+    from specdeploy.checkpoints import load_causal_lm
+    from specdeploy.runtime.decoding import generate
+    from specdeploy.runtime.types import SamplingParams
+    from specdeploy.speculator.distill import distillation_model, generate as distill_answers
+    from specdeploy.verify.reference import load_reference
+
+    penalised = tmp_path / "penalised"
+    shutil.copytree(tiny_llama_dir, penalised)
+    config = json.loads((penalised / "generation_config.json").read_text())
+    (penalised / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 5.0, "no_repeat_ngram_size": 1}))
+    tokenizer = AutoTokenizer.from_pretrained(penalised)
+    prompt, n = "abc", 24
+    ids = tokenizer(prompt).input_ids
+    plain = generate(load_causal_lm(penalised), ids, SamplingParams(max_new_tokens=n)).token_ids
+    own = load_causal_lm(penalised).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    assert own != plain  # the settings above change a generate() left to the model's own config
+
+    reference = load_reference(penalised, "float32", "cpu")
+    assert hf_reference(reference.model, tokenizer, reference.ids(prompt), n).token_ids == plain
+    base = distillation_model(penalised, "float32", device=torch.device("cpu"))
+    data = distill_answers(base, tokenizer, [prompt], max_new_tokens=n, layers=[1], chat=False)
+    assert data.tokens[len(ids):].tolist() == plain
+    bench = Bench(load_causal_lm(penalised), load_causal_lm(penalised), max_new_tokens=n)
+    assert bench.runner("hf-assisted")(ids).tokens == plain

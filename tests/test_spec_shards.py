@@ -84,6 +84,15 @@ def test_cache_key_follows_the_weights_not_the_folder(tiny_llama_dir, tmp_path):
     assert cache_key(copy, settings) != cache_key(tiny_llama_dir, settings)  # answers to other prompt encodings
 
 
+def test_data_made_in_batches_of_another_size_is_other_data(tiny_llama_dir, tmp_path, monkeypatch):
+    """A batch's left padding rounds the states apart: data made 2 prompts at a time is not reused
+    for a run that distills 1 at a time (as after lowering --distill-batch on an out-of-memory stop)."""
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "cache"))
+    made = [distill(tiny_llama_dir, num_prompts=2, max_new_tokens=8, layers=[1], batch_size=size, device="cpu").info["data_key"]
+            for size in (2, 1, 2)]
+    assert made[0] != made[1] and made[0] == made[2]
+
+
 def test_temp_shards_of_killed_runs_are_removed_and_a_running_ones_kept(tmp_path):
     folder = tmp_path / "gen-00000-4"
     gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)

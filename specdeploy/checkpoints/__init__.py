@@ -5,6 +5,6 @@ numerics (quantized.py) and the quant_algo names both know (quant_algos.py). Not
 a stage, ModelOpt or pickle; loading for serving reads downward only, into this package.
 """
 
-from specdeploy.checkpoints.hf import checkpoint_dtype, load_causal_lm, load_tokenizer
+from specdeploy.checkpoints.hf import checkpoint_dtype, load_causal_lm, load_tokenizer, plain_greedy
 
-__all__ = ["checkpoint_dtype", "load_causal_lm", "load_tokenizer"]
+__all__ = ["checkpoint_dtype", "load_causal_lm", "load_tokenizer", "plain_greedy"]

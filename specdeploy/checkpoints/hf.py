@@ -52,3 +52,16 @@ def load_causal_lm(path: str | os.PathLike, dtype: str = "float32", *, device: "
         path, dtype=torch_dtype(dtype), attn_implementation="sdpa", trust_remote_code=trust_remote_code,
         device_map=device_map or {"": resolve_device(device)})
     return model.eval()
+
+
+def plain_greedy(model: Any) -> Any:
+    """`model`, its `generate(do_sample=False)` made the plain argmax the served runtime decodes:
+    its generation_config (an instruct model's repetition_penalty, no_repeat_ngram_size, num_beams,
+    suppress_tokens, ...) would shape every answer, since transformers 5 fills each field a call
+    leaves unset, even of a GenerationConfig passed in, from it. It keeps only the special tokens."""
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                                               pad_token_id=own.pad_token_id)
+    return model

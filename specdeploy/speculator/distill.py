@@ -32,7 +32,8 @@ from specdeploy.speculator.parallel import Parallel
 from specdeploy.runtime.types import model_device
 from specdeploy.speculator.shards import INFO_FILE, DistillData, ShardedData, save
 
-DATA_VERSION = 4  # 3: prompts encoded as served (one BOS); 4: no train conversation opens with a held-out prompt
+DATA_VERSION = 5  # 3: prompts encoded as served (one BOS); 4: no train conversation opens with a held-out prompt;
+# 5: answers are plain argmax whatever the base's generation_config says (checkpoints.plain_greedy)
 MAX_PROMPT_TOKENS = 192
 TF_MAX_TOKENS = 384  # teacher-forced conversations are cut to this many tokens
 TF_BATCH = 8
@@ -218,8 +219,9 @@ def distill(
     dtype = dtype or fast_dtype(device)
     parallel = parallel or Parallel(device=device)
     layers = sorted(layers)
+    # everything the states depend on: a batch's left padding and the device's kernels round them apart
     settings = {"max_new_tokens": max_new_tokens, "layers": layers, "dtype": dtype, "max_prompt_tokens": MAX_PROMPT_TOKENS,
-                "tf_max_tokens": tf_max_tokens}
+                "tf_max_tokens": tf_max_tokens, "batch_size": batch_size, "device_type": device.type}
     root = cache_dir() / "spec_data" / cache_key(model_dir, settings)
     per_token = memory.hidden_bytes_per_token(memory.Arch.read(model_dir), len(layers))
     gen_seq = MAX_PROMPT_TOKENS + max_new_tokens
@@ -244,12 +246,13 @@ def distill(
 
 def distillation_model(model_dir: Path, dtype: str, *, device: torch.device, device_map: str | None = None,
                        trust_remote_code: bool = False) -> Any:
-    """The base as distillation runs it."""
+    """The base as distillation runs it: its answers are the served runtime's, plain argmax."""
     from specdeploy.attention import use_cpu_sdpa
+    from specdeploy.checkpoints import plain_greedy
 
     # padded batches attend with a mask: read grouped K/V in place (the same bits, ~20% less time here)
-    return use_cpu_sdpa(load_base(model_dir, dtype, device=device, device_map=device_map,
-                                  trust_remote_code=trust_remote_code))
+    return use_cpu_sdpa(plain_greedy(load_base(model_dir, dtype, device=device, device_map=device_map,
+                                               trust_remote_code=trust_remote_code)))
 
 
 def _make(model_dir: Path, jobs: list[Job], *, dtype: str, device: torch.device, device_map: str | None,

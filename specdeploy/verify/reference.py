@@ -85,11 +85,11 @@ def near_tie_limit(reference: Reference, answers: list[tuple[str, str]], max_new
 
 def load_reference(model_dir: Path, dtype: str, device: str, role: str = "reference") -> Reference:
     from specdeploy.device import announce, resolve_device
-    from specdeploy.checkpoints import load_causal_lm, load_tokenizer
+    from specdeploy.checkpoints import load_causal_lm, load_tokenizer, plain_greedy
 
     where = resolve_device(device)
     announce(f"verify ({role}, {dtype})", where)
-    return Reference(load_causal_lm(model_dir, dtype=dtype, device=str(where)), load_tokenizer(model_dir))
+    return Reference(plain_greedy(load_causal_lm(model_dir, dtype=dtype, device=str(where))), load_tokenizer(model_dir))
 
 
 def fidelity(original: Reference, prompts: list[Prompt], rows: list[dict[str, Any]], max_new_tokens: int,
