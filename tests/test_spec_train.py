@@ -58,7 +58,9 @@ def test_training_lowers_the_loss(tiny_llama_dir, data, tmp_path, kind, lr, ttt)
     if kind == "eagle":
         assert config["modelopt_config"]["eagle_offline"] is False
         assert config["modelopt_config"]["eagle_ttt_steps"] == ttt and len(stats["final_acc"]) == ttt  # one accuracy per TTT step
-        assert (tmp_path / "spec" / "eagle3_export" / "config.json").is_file()
+        exported = json.loads((tmp_path / "spec" / "eagle3_export" / "config.json").read_text())
+        trained = config["modelopt_config"]["eagle_architecture_config"]["rope_scaling"]
+        assert (exported.get("rope_scaling") or {}).get("rope_type", "default") == trained["rope_type"] == "default"  # not YaRN
 
 
 def test_the_stage_never_resumes_a_checkpoint_of_another_base(tmp_path):

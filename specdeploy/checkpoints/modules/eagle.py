@@ -75,6 +75,8 @@ def modelopt_config(
         "eagle_offline": offline,
         "eagle_use_torch_compile": False,  # ~100x slower steps on CPU (docs/environment.md)
         "eagle_ttt_steps": ttt_steps,
+        # ModelOpt's export would otherwise write YaRN (its default) into a module trained with plain RoPE
+        "eagle_export_rope_scaling": {},
         "eagle_architecture_config": arch,
     }
 
