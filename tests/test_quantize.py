@@ -564,3 +564,57 @@ def test_fp8_on_cuda_serves_the_same_greedy_tokens_as_on_cpu(tmp_path, tiny128_d
         ids = tokenizer(text)["input_ids"]
         gpu = generate(on_gpu, ids, SamplingParams(max_new_tokens=24)).token_ids
         assert gpu == generate(on_cpu, ids, SamplingParams(max_new_tokens=24)).token_ids
+
+
+@pytest.mark.parametrize("fast", ["bfloat16", "float32"])
+def test_a_half_type_the_cpu_lacks_computes_in_float32_never_in_the_other_half(monkeypatch, fast):
+    """bf16 keeps 3 mantissa bits fewer than fp16: an fp16 deployment calibrated in bf16 would ship
+    bf16-rounded embeddings, LM head and excluded layers, labelled float16."""
+    monkeypatch.setattr(stage, "fast_dtype", lambda device: fast)
+    cpu = torch.device("cpu")
+    assert stage.compute_dtype("float16", cpu) == "float32"
+    assert stage.compute_dtype("bfloat16", cpu) == ("bfloat16" if fast == "bfloat16" else "float32")
+    assert stage.compute_dtype("float16", torch.device("cuda")) == "float16"
+
+
+def test_awq_block_sizes_are_the_ones_tensorrt_llm_kernels_run():
+    for qformat, kv, size in (("int4_awq", "none", 64), ("int4_awq", "fp8", 128), ("w4a8_awq", "fp8", 128)):
+        config.check_format(qformat, kv, size)
+    for qformat, kv, size in (("int4_awq", "none", 32), ("w4a8_awq", "fp8", 64), ("w4a8_awq", "fp8", 32)):
+        with pytest.raises(SpecDeployError, match=f"block size {size}") as err:
+            config.check_format(qformat, kv, size)
+        assert err.value.hint.startswith("--awq-block-size") and err.value.hint.endswith("128")
+
+
+def test_excluded_layers_need_no_whole_blocks():
+    """A Linear whose input is no multiple of the block stays unquantized with --exclude: ModelOpt
+    does not pack it, so it must not be refused."""
+    from torch import nn
+
+    mlp = nn.ModuleDict({"up_proj": nn.Linear(64, 200), "down_proj": nn.Linear(200, 64)})
+    model = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"mlp": mlp})])})})
+    with pytest.raises(SpecDeployError, match="down_proj has input size 200") as err:
+        config.check_block_size(model, "int4_awq", 64)
+    assert "--exclude 'model.layers.0.mlp.down_proj'" in err.value.hint
+    kept = config.excluded_linears(model, "int4_awq", ["*down_proj"])
+    assert kept == ["model.layers.0.mlp.down_proj"]
+    config.check_block_size(model, "int4_awq", 64, kept)
+    with pytest.raises(SpecDeployError) as err:  # W4A8 takes no --exclude: the hint does not offer it
+        config.check_block_size(model, "w4a8_awq", 128)
+    assert "--exclude" not in err.value.hint
+
+
+def test_the_quantized_spec_module_keeps_its_lm_head_unquantized():
+    """As ModelOpt's presets leave the base's LM head: the FP8 module's acceptance is not measured
+    with a draft head no preset would make."""
+    import modelopt.torch.quantization as mtq
+    from torch import nn
+
+    from specdeploy.quantize.spec_module import _spec_quant_config
+
+    model = nn.ModuleDict({"eagle_module": nn.ModuleDict({"fc": nn.Linear(16, 8), "lm_head": nn.Linear(8, 32)})})
+    forward = lambda m: m["eagle_module"]["lm_head"](m["eagle_module"]["fc"](torch.randn(4, 16)))  # noqa: E731
+    mtq.quantize(model, _spec_quant_config("eagle_module"), forward)
+    assert model["eagle_module"]["fc"].weight_quantizer.is_enabled
+    assert not model["eagle_module"]["lm_head"].weight_quantizer.is_enabled
+    assert not model["eagle_module"]["lm_head"].input_quantizer.is_enabled

@@ -48,7 +48,7 @@ def quantize_model(model: nn.Module, qformat: str, kv_cache: str, batches: list[
     config = quant_config(qformat, kv_cache, awq_block_size, keep)
     if config is None:
         return model
-    check_block_size(model, qformat, awq_block_size)
+    check_block_size(model, qformat, awq_block_size, keep)
     import modelopt.torch.quantization as mtq
 
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):

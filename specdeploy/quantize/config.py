@@ -36,9 +36,9 @@ def check_format(qformat: str, kv_cache: str, awq_block_size: int = 128) -> None
         raise SpecDeployError(f"unknown --quant '{qformat}'", hint=f"use one of {', '.join(QFORMATS)}")
     if kv_cache not in KV_CACHE:
         raise SpecDeployError(f"unknown --kv-cache '{kv_cache}'", hint=f"use one of {', '.join(KV_CACHE)}")
-    if qformat in BLOCK_QFORMATS and awq_block_size not in AWQ_BLOCK_SIZES:
-        raise SpecDeployError(f"AWQ block size {awq_block_size} is not supported",
-                              hint=f"use one of {', '.join(map(str, AWQ_BLOCK_SIZES))}")
+    if qformat in BLOCK_QFORMATS and awq_block_size not in AWQ_BLOCK_SIZES[qformat]:
+        raise SpecDeployError(f"{qformat}: block size {awq_block_size} is not one TensorRT-LLM's INT4 kernels run",
+                              hint=f"--awq-block-size {' or '.join(map(str, AWQ_BLOCK_SIZES[qformat]))}")
     if kv_cache == "int8":
         raise SpecDeployError(
             "--kv-cache int8 cannot be exported: ModelOpt 0.47's unified HF checkpoint stores only FP8 "
@@ -112,17 +112,19 @@ def excluded_linears(model: nn.Module, qformat: str, patterns: Iterable[str]) ->
     return sorted(kept)
 
 
-def check_block_size(model: nn.Module, qformat: str, block_size: int) -> None:
+def check_block_size(model: nn.Module, qformat: str, block_size: int, keep: Iterable[str] = ()) -> None:
     """INT4 AWQ packs weights in blocks along the input dimension: each quantized Linear's input
-    size must be a multiple of the block size (else the export fails deep inside ModelOpt)."""
+    size must be a multiple of the block size (else the export fails deep inside ModelOpt); the
+    Linears in `keep` (--exclude) stay unquantized and are not packed."""
     if qformat not in BLOCK_QFORMATS:
         return
-    for name, linear in quantized_linears(model):
+    kept = set(keep)
+    packed = [(name, linear) for name, linear in quantized_linears(model) if name not in kept]
+    for name, linear in packed:
         if linear.in_features % block_size:
-            smaller = [b for b in AWQ_BLOCK_SIZES if b < block_size and all(
-                m.in_features % b == 0 for _, m in quantized_linears(model))]
-            hint = (f"pass --awq-block-size {smaller[-1]}" if smaller
-                    else "use --quant fp8 or int8_sq for this model")
+            smaller = [b for b in AWQ_BLOCK_SIZES[qformat] if b < block_size and all(m.in_features % b == 0 for _, m in packed)]
+            unquantized = f"leave such layers unquantized (--exclude '{name}', ...) or " if qformat in EXCLUDABLE_QFORMATS else ""
+            hint = f"pass --awq-block-size {smaller[-1]}" if smaller else f"{unquantized}use --quant fp8 for this model"
             raise SpecDeployError(
                 f"{qformat}: layer {name} has input size {linear.in_features}, which is not a multiple of "
                 f"the INT4 block size {block_size} (partial blocks are not supported)",

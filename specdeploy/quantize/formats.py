@@ -17,7 +17,11 @@ KV_CACHE = ("fp8", "int8", "none")
 # the deployment's weight dtype (quantize --dtype, engine --dtype); float32 only unquantized
 DEPLOY_DTYPES = ("bfloat16", "float16", "float32")
 BLOCK_QFORMATS = ("int4_awq", "w4a8_awq")
-AWQ_BLOCK_SIZES = (32, 64, 128)  # TRT-LLM's W4A16 AWQ kernels take 64 and 128; ModelOpt any divisor
+# the block sizes TensorRT-LLM's fine-grained INT4 GEMMs run (ModelOpt packs any divisor):
+# cutlass fpA_intB_gemm_template.h (567239f) takes 64 and 128 for W4A16 and only 128 with FP8
+# activations (W4A8); on Hopper (fpA_intB_launcher_sm90.inl, 03cff08) a block is a multiple of the
+# K tile, 64 for bf16 and 128 for FP8 activations
+AWQ_BLOCK_SIZES = {"int4_awq": (64, 128), "w4a8_awq": (128,)}
 # TRT-LLM honours exclude_modules for FP8 and weight-only AWQ (quantize_layers); its INT8
 # SmoothQuant plugin path quantizes every layer, so mixed precision is refused there.
 EXCLUDABLE_QFORMATS = ("fp8", "int4_awq")

@@ -21,12 +21,14 @@ SPEC_PREFIXES = {"medusa": "medusa_heads", "eagle": "eagle_module"}
 
 def _spec_quant_config(prefix: str) -> dict[str, Any]:
     """FP8 weights + static FP8 inputs for the module's Linears only (the base is quantized and
-    exported separately: this calibration only needs the base to produce the module's inputs)."""
+    exported separately: this calibration only needs the base to produce the module's inputs),
+    its LM head left out as ModelOpt's presets leave the base's."""
     fp8 = {"num_bits": (4, 3), "axis": None}
     return {"quant_cfg": [
         {"quantizer_name": "*", "enable": False},
         {"quantizer_name": f"*{prefix}*weight_quantizer", "cfg": fp8},
         {"quantizer_name": f"*{prefix}*input_quantizer", "cfg": fp8},
+        {"quantizer_name": f"*{prefix}*lm_head*", "enable": False},
     ], "algorithm": "max"}
 
 

@@ -77,10 +77,11 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
 
 def compute_dtype(export_dtype: str, device: torch.device) -> str:
     """What calibration and the report compute in: the export dtype, unless the CPU would emulate
-    it (bf16/fp16 without native support: several times slower than float32); the calibrated
-    model is cast to the export dtype just before export."""
-    fast = fast_dtype(device)
-    return export_dtype if device.type == "cuda" or export_dtype == fast else fast
+    it (bf16/fp16 without native support: several times slower than float32); then float32, never
+    the other half type (bf16 holds 3 mantissa bits fewer than fp16: an fp16 deployment computed in
+    bf16 would ship bf16-rounded weights). The calibrated model is cast to the export dtype just
+    before export."""
+    return export_dtype if device.type == "cuda" or export_dtype == fast_dtype(device) else "float32"
 
 
 def _placements(base_dir: Path, settings: dict[str, Any], device: torch.device) -> tuple[Placement, Placement | None]:
@@ -139,8 +140,8 @@ def _quantize_and_export(out: Path, base_dir: Path, batches: list[torch.Tensor],
     the Linears --exclude kept unquantized)."""
     qformat, kv_cache = settings["qformat"], settings["kv_cache"]
     model = load_base(base_dir, settings["compute_dtype"], placement, trust_remote_code)  # fresh: export mutates it
-    check_block_size(model, qformat, settings["awq_block_size"])
     kept = excluded_linears(model, qformat, settings.get("exclude", []))
+    check_block_size(model, qformat, settings["awq_block_size"], kept)
     started = time.time()
     quantize_model(model, qformat, kv_cache, batches, settings["awq_block_size"], kept)
     seconds = time.time() - started
@@ -180,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DEPLOY_DTYPES, default="bfloat16",
                         help="the deployment's weight dtype, cast before quantizing (float32: only with --quant none "
                              "--kv-cache none); `make verify`'s fidelity report measures its effect")
-    parser.add_argument("--awq-block-size", type=int, default=128, help="INT4 AWQ block size (32, 64, 128)")
+    parser.add_argument("--awq-block-size", type=int, default=128, help="INT4 AWQ block size: 64 or 128 for int4_awq, 128 for w4a8_awq (default 128)")
     parser.add_argument("--exclude", nargs="+", metavar="PATTERN",
                         help="keep these Linears in the model dtype (fnmatch on HF names, e.g. '*mlp.down_proj' "
                              "'model.layers.0.*'); fp8 and int4_awq; TRT-LLM's fused q/k/v and gate/up go together")
