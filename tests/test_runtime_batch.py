@@ -18,7 +18,7 @@ from specdeploy.runtime.batch_requests import BatchRequest
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.proposers import build_proposer
-from specdeploy.runtime.types import Proposer, SamplingParams, TargetState, model_device
+from specdeploy.runtime.types import DraftTree, Proposer, SamplingParams, TargetState, model_device
 from tests.test_runtime_device import FactoryCalls
 from tests.test_runtime_helpers import PROMPTS, OracleTreeProposer, one_thread, tokenizer  # noqa: F401
 
@@ -292,6 +292,33 @@ def test_a_failing_proposer_ends_only_its_sequence(target64, prompts):
     assert 4 <= len(seqs[1].result.token_ids) < NEW
     assert [seqs[i].result.token_ids for i in (0, 2)] == [expected[0], expected[2]]
     assert seqs[0].error is None and seqs[2].error is None
+
+
+class DraftsBadly(Proposer):
+    """A request's own proposer whose draft the target cannot run."""
+
+    kind = "chain"
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def propose(self, state, max_tokens):
+        return self.tree
+
+
+@pytest.mark.parametrize(("tree", "what"), [
+    (lambda vocab: DraftTree.chain(torch.tensor([vocab + 5])), "a token outside the vocabulary"),
+    (lambda vocab: DraftTree(torch.tensor([3, 4]), [1, -1]), "a node whose parent does not precede it"),
+])
+def test_a_draft_the_target_cannot_run_ends_only_its_sequence(target64, prompts, tree, what):
+    """It failed the batch's shared forward: every request of the batch ended with an IndexError."""
+    requests = [BatchRequest(prompts[i], SamplingParams(max_new_tokens=NEW)) for i in (0, 2)]
+    expected = [solo(target64, request, None) for request in requests]
+    bad = BatchRequest(prompts[3], SamplingParams(max_new_tokens=NEW), proposer=DraftsBadly(tree(target64.config.vocab_size)))
+    seqs, _, _ = run(InflightBatcher(target64, None), [(0, requests[0]), (0, bad), (0, requests[1])])
+    assert isinstance(seqs[1].error, SpecDeployError) and what in str(seqs[1].error)
+    assert seqs[1].result.finish_reason == "cancelled"
+    assert [seqs[i].result.token_ids for i in (0, 2)] == expected and seqs[0].error is None and seqs[2].error is None
 
 
 class UpdateFailsOnPrompt(FailsOnPrompt):

@@ -146,6 +146,17 @@ def test_rejection_sampling_is_lossless(target, tokenizer, trained, shifted):
     assert chi_square_ok(counts, tiny_expected(target, prompt, 3), 600) != shifted
 
 
+def test_settings_given_beside_a_trained_module_are_its_own_or_refused(target, trained):
+    """block_size and mask_token_id come from the module; a different one was accepted and ignored."""
+    module = build_proposer("dflash", target, spec_dir=trained[0])
+    same = build_proposer("dflash", target, spec_dir=trained[0], block_size=module.block_size, mask_token_id=module.mask_token_id)
+    assert (same.block_size, same.mask_token_id) == (module.block_size, module.mask_token_id)
+    for name, value in (("block_size", module.block_size + 4), ("mask_token_id", module.mask_token_id - 1)):
+        with pytest.raises(SpecDeployError, match=f"DFlash {name} {value} differs from the trained module's") as err:
+            build_proposer("dflash", target, spec_dir=trained[0], **{name: value})
+        assert f"leave {name} out" in err.value.hint
+
+
 def test_spec_dir_errors(target, trained, tmp_path):
     with pytest.raises(SpecDeployError, match="spec_config.json not found"):
         build_proposer("dflash", target, spec_dir=tmp_path)

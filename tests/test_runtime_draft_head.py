@@ -56,12 +56,12 @@ def test_greedy_draft_stays_inside_the_restricted_vocabulary(target, draft, toke
 
 
 def test_confidence_stop_shortens_rounds(target, draft, tokenizer):
-    """A threshold above any draft probability stops after the first token of every round; none
-    never stops early."""
+    """A threshold of 1 (above any draft probability short of certainty) stops after the first
+    token of every round; none never stops early."""
     ids = tokenizer(PROMPTS[0])["input_ids"]
     params = SamplingParams(max_new_tokens=24)
     for head_rows in (None, 64):
-        always = build_proposer("draft", target, draft_model=draft, head_rows=head_rows, stop_below=1.01)
+        always = build_proposer("draft", target, draft_model=draft, head_rows=head_rows, stop_below=1.0)
         result = generate(target, ids, params, always, draft_len=6, adaptive=False)
         assert result.metrics.draft_tokens <= result.metrics.target_forwards  # one token a round
         never = build_proposer("draft", target, draft_model=draft, head_rows=head_rows)

@@ -60,3 +60,33 @@ def test_unknown_proposer(target):
 def test_draft_without_model(target):
     with pytest.raises(SpecDeployError, match="needs a draft model"):
         build_proposer("draft", target)
+
+
+@pytest.mark.parametrize(("kind", "options", "match"), [
+    ("draft", {"head_rows": -5}, "head_rows must be a number of token ids, got -5"),
+    ("draft", {"head_rows": 2.5}, "head_rows must be a number of token ids, got 2.5"),
+    ("draft", {"stop_below": 5.0}, "stop_below 5.0 is not a probability"),
+    ("draft", {"stop_below": -1.0}, "stop_below -1.0 is not a probability"),
+    ("dflash", {"head_rows": -5}, "head_rows must be a number of token ids"),
+    ("eagle", {"mode": "chain", "choices": [[0], [1]]}, "mode 'chain' would ignore them"),
+    ("eagle", {"mode": "dynamic", "choices": [[0], [1]]}, "mode 'dynamic' would ignore them"),
+])
+def test_proposer_settings_that_would_crash_a_request_or_go_unused_are_refused(target, draft, kind, options, match):
+    """A negative head_rows ended each request in an IndexError; stop_below 5 drafted one token a
+    round, -1 never stopped; choices beside a chain or dynamic mode were dropped."""
+    extra = {"draft_model": draft} if kind == "draft" else {}
+    with pytest.raises(SpecDeployError, match=match) as err:
+        build_proposer(kind, target, **extra, **options)
+    assert err.value.hint
+
+
+@pytest.mark.parametrize("draft_len", [0, -2, 2.5])
+def test_a_draft_length_below_one_is_refused_not_replaced_or_turned_off(target, draft, draft_len):
+    """0 drafted the default length, a negative one never drafted: neither said so."""
+    from specdeploy.runtime.batch import InflightBatcher
+
+    proposer = build_proposer("draft", target, draft_model=draft)
+    with pytest.raises(SpecDeployError, match="max_draft_len must be a positive integer"):
+        generate(target, [1, 2, 3], SamplingParams(max_new_tokens=4), proposer, draft_len=draft_len)
+    with pytest.raises(SpecDeployError, match="max_draft_len must be a positive integer"):
+        InflightBatcher(target, proposer.fork, draft_len=draft_len)

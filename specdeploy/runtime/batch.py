@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from specdeploy.errors import SpecDeployError
 from specdeploy.runtime import batch_cache
 from specdeploy.runtime.batch_requests import BatchRequest, BatchStats, Row, Sequence
-from specdeploy.runtime.decoding import Hidden, _prompt_tensor, eos_token_ids, prefill, prune
+from specdeploy.runtime.decoding import Hidden, _prompt_tensor, draft_budget, eos_token_ids, prefill, prune
 from specdeploy.runtime.kv_cache import check_full_attention, crop
 from specdeploy.runtime.sampling import next_token
 from specdeploy.runtime.types import DraftTree, Proposer, model_device
@@ -56,6 +56,7 @@ class InflightBatcher:
         if spec_off_above is not None and spec_off_above < 0:
             raise SpecDeployError(f"spec_off_above must be >= 0, got {spec_off_above}",
                                   hint="leave it unset to always speculate, 0 never speculates")
+        draft_budget(draft_len, chain=True)  # refused now, not at each request
         check_full_attention(target.config, "in-flight batching (serving, the load plan)",
                              hint="serve it with TensorRT-LLM on a GPU host; in-process, `specdeploy generate --spec none` "
                                   "decodes it one request at a time")
@@ -64,6 +65,7 @@ class InflightBatcher:
         self.decode, self.adaptive = decode, adaptive
         self.context_length = context_length or target.config.max_position_embeddings
         self.device = model_device(target)
+        self.vocab = target.get_input_embeddings().num_embeddings
         self.eos = eos_token_ids(target)
         self.stats = BatchStats()
         self._ids = itertools.count()
@@ -267,8 +269,21 @@ class InflightBatcher:
                 drafts = [self._propose_alone(row, asks[row]) for row in group]
             for row, tree in zip(group, drafts):
                 row.unseen = {}
-                trees[row] = prune(tree, row.max_draft, row.max_new - len(row.output.tokens) - 1)
+                trees[row] = prune(self._checked(row, tree), row.max_draft, row.max_new - len(row.output.tokens) - 1)
         return [trees[row] for row in rows]
+
+    def _checked(self, row: Row, tree: DraftTree) -> DraftTree:
+        """A row's draft, or none (the row ends with the error) where it would fail the batch's shared
+        forward: a token outside the target's vocabulary, a node whose parent does not come before it."""
+        lowest, highest = torch.stack(tree.tokens.aminmax()).tolist() if len(tree) else (0, 0)  # one device sync
+        bad = ("a token outside the vocabulary" if not 0 <= lowest <= highest < self.vocab
+               else "a node whose parent does not precede it" if any(not -1 <= p < i for i, p in enumerate(tree.parents))
+               else None)
+        if bad is None:
+            return tree
+        self._finish(row, "cancelled", SpecDeployError(f"the proposer ({type(row.proposer).__name__}) drafted {bad}",
+                                                       hint="a bug in that proposer: the request ended, the batch went on"))
+        return DraftTree.empty(self.device)
 
     def _propose_alone(self, row: Row, max_tokens: int) -> DraftTree:
         try:

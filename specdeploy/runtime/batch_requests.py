@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from specdeploy.runtime.adaptive import AdaptiveDraftLength
-from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN, DEFAULT_TREE_SIZE, Hidden, _Output
+from specdeploy.runtime.decoding import Hidden, _Output, draft_budget
 from specdeploy.runtime.sampling import make_generator
 from specdeploy.runtime.types import GenerationMetrics, GenerationResult, Proposer, SamplingParams, TargetState
 
@@ -81,7 +81,7 @@ class Row:
         params = request.params
         self.seq, self.params, self.prompt, self.proposer = seq, params, prompt, proposer
         self.chain = proposer is None or proposer.kind == "chain"
-        self.max_draft = draft_len or (DEFAULT_DRAFT_LEN if self.chain else DEFAULT_TREE_SIZE)
+        self.max_draft = draft_budget(draft_len, self.chain)
         # seeded sampling must not depend on timing (adaptive.py); greedy output cannot
         timed = params.greedy or params.seed is None
         self.controller = AdaptiveDraftLength(self.max_draft, adaptive=adaptive and proposer is not None, timed=timed)

@@ -39,6 +39,17 @@ DEFAULT_DRAFT_LEN = 8
 DEFAULT_TREE_SIZE = 64
 
 
+def draft_budget(draft_len: int | None, chain: bool) -> int:
+    """The most draft tokens a round verifies: `draft_len` (max_draft_len), else the default of a
+    chain or a tree. 0 or less is refused: it would speculate at the default, or never."""
+    if draft_len is None:
+        return DEFAULT_DRAFT_LEN if chain else DEFAULT_TREE_SIZE
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
+        raise SpecDeployError(f"max_draft_len must be a positive integer, got {draft_len!r}",
+                              hint="e.g. 4, or leave it unset for the default")
+    return draft_len
+
+
 def _forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -226,7 +237,7 @@ def generate(
     if params.stop_strings and decode is None:
         raise SpecDeployError("stop strings need the tokenizer", hint="pass decode=tokenizer.decode")
     chain = proposer is None or proposer.kind == "chain"
-    max_draft = draft_len or (DEFAULT_DRAFT_LEN if chain else DEFAULT_TREE_SIZE)
+    max_draft = draft_budget(draft_len, chain)
     # seeded sampling must not depend on timing (see adaptive.py); greedy output cannot
     timed = params.greedy or params.seed is None
     controller = AdaptiveDraftLength(max_draft, adaptive=adaptive and proposer is not None, timed=timed)

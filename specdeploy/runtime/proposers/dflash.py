@@ -165,15 +165,16 @@ def modelopt_config(
 
 def build(
     target: Any, *, spec_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE, mask_token_id: int | None = None, head_rows: int | None = None,
+    block_size: int | None = None, mask_token_id: int | None = None, head_rows: int | None = None,
     seed: int = 0,
 ) -> DFlashProposer:
     """A DFlash proposer from a spec/ folder (trained; `path` is an alias), or a fresh module (tests).
 
     spec/ holds spec_config.json {"kind": "dflash", "modelopt_config": the dict given to
     mtsp.convert} and module.safetensors (the `dflash_module.*` tensors): the spec stage's
-    contract (specdeploy/checkpoints/modules/__init__.py). A fresh module drafts
-    `block_size` - 1 tokens; its mask token defaults to the last id of the vocabulary.
+    contract (specdeploy/checkpoints/modules/__init__.py); `block_size` and `mask_token_id`, where
+    given with one, must be the module's. A fresh module drafts `block_size` - 1 tokens (default
+    DEFAULT_BLOCK_SIZE); its mask token defaults to the last id of the vocabulary.
     `head_rows`: greedy drafts take their top-1 over that many common ids plus the request's own
     tokens instead of the target's full head (head.py); None: the full head.
     """
@@ -188,6 +189,7 @@ def build(
                                   hint=f"use --spec {spec['kind']}")
         config = spec["modelopt_config"]
     else:
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         if block_size < 2:
             raise SpecDeployError(f"DFlash block_size must be >= 2, got {block_size}", hint="a block is the pending token plus drafts")
         mask = target.config.vocab_size - 1 if mask_token_id is None else mask_token_id
@@ -199,6 +201,11 @@ def build(
     # refuses what the proposer does not implement; spec_dir's keys checked against the config
     module = load_module("dflash", target.config, config, spec_dir, dtype=next(target.parameters()).dtype,
                          device=model_device(target), seed=seed)
+    if spec_dir is not None:  # a setting given beside a trained module is its own, or refused: it cannot change it
+        for name, given, own in (("block_size", block_size, module.block_size), ("mask_token_id", mask_token_id, int(mask))):
+            if given is not None and given != own:
+                raise SpecDeployError(f"DFlash {name} {given} differs from the trained module's {own} ({spec_dir})",
+                                      hint=f"leave {name} out: the module was trained with {own}")
     # output_hidden_states indexing: layer l's output is entry l + 1 (0 = embeddings)
     layers = tuple(layer + 1 for layer in module.config.target_layer_ids)
     return DFlashProposer(module, target.get_input_embeddings(), target.get_output_embeddings(), layers,

@@ -140,6 +140,9 @@ def build(
     the draft runs with dynamic int8 weights (CPU only; quant.py).
     """
     check_quant(draft_quant)
+    if not 0 <= stop_below <= 1:
+        raise SpecDeployError(f"stop_below {stop_below} is not a probability",
+                              hint="e.g. 0.4 (Hugging Face's assistant_confidence_threshold), or 0 to draft the full length")
     device = model_device(target)
     if draft_model is None:
         if draft_model_dir is None:

@@ -293,6 +293,9 @@ def build(
     mode = mode or ("static" if choices is not None else "dynamic")
     if mode not in MODES:
         raise SpecDeployError(f"unknown EAGLE tree mode '{mode}'", hint=f"use one of: {', '.join(MODES)}")
+    if choices is not None and mode != "static":
+        raise SpecDeployError(f"EAGLE choices are a static tree; mode {mode!r} would ignore them",
+                              hint="drop mode (or use mode static) to draft those choices, or drop choices")
     for name, value in (("depth", depth), ("topk", topk), ("width", width), ("chain_len", chain_len), ("budget", budget)):
         if value <= 0:
             raise SpecDeployError(f"EAGLE {name} must be positive, got {value}", hint=f"pass a positive {name}")

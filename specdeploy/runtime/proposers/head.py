@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from specdeploy.errors import SpecDeployError
+
 
 class RestrictedHead:
     def __init__(self, weight: torch.Tensor, rows: int) -> None:
@@ -55,6 +57,9 @@ def restricted_head(model: Any, rows: int | None) -> RestrictedHead | None:
     """A RestrictedHead over `model`'s lm_head, or None where the full head must run: no
     restriction asked, or a head that is not a plain bias-free projection of the final states
     (logit soft-capping or scaling, a quantized Linear)."""
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        raise SpecDeployError(f"head_rows must be a number of token ids, got {rows!r}",
+                              hint="e.g. 32768; unset or 0: the full head")
     head = model.get_output_embeddings()
     config = model.config
     plain = type(head) is torch.nn.Linear and head.bias is None
