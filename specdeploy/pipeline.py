@@ -106,10 +106,16 @@ def _stage_steps(build: BuildDir, opts: EngineOptions) -> list[tuple[str, Callab
 
 
 def _convertible(base_dir: Path) -> Path:
-    """The resolved base, refused now when the convert stage would refuse it, not after training."""
+    """The resolved base, refused now when the convert stage or the CPU deployment would refuse
+    it, not after training."""
+    from transformers import AutoConfig
+
+    from specdeploy.runtime.kv_cache import check_full_attention
     from specdeploy.trtllm.source import check_architecture
 
     check_architecture(base_dir)
+    check_full_attention(AutoConfig.from_pretrained(base_dir), "the pipeline (its CPU deployment serves in-flight batches)",
+                         hint="choose a model with full attention; `specdeploy generate --spec none` decodes this one plainly")
     return base_dir
 
 

@@ -158,6 +158,41 @@ def test_an_unreadable_gguf_is_a_clear_error(tmp_path, cache, content):
     assert "llama" in err.value.hint and "tokenizer" not in err.value.hint.split(";")[0]
 
 
+@pytest.mark.parametrize("scaling", [{"rope_scaling": "linear"}, {"rope_freqs": True}], ids=["rope.scaling", "rope_freqs"])
+def test_a_gguf_whose_rope_scaling_transformers_would_drop_is_refused(tmp_path, cache, scaling):
+    """transformers 5.14 reads no RoPE scaling from a llama / qwen2 GGUF and loads non-strictly: the
+    converted model computed with plain RoPE, without a word."""
+    from tests.tiny import make_gguf
+
+    path = make_gguf(tmp_path / "scaled.gguf", **scaling)
+    with pytest.raises(SpecDeployError, match="scales its RoPE .* the converted model would compute differently") as err:
+        resolve.resolve_model_dir(str(path))
+    assert "Hugging Face folder" in err.value.hint
+
+
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_a_converted_gguf_tokenizer_adds_bos_where_the_file_says(tmp_path, cache, adds_bos):
+    """llama.cpp prepends BOS where tokenizer.ggml.add_bos_token says so (Llama 3's files);
+    transformers' GGUF tokenizer never did."""
+    from tests.tiny import make_gguf
+
+    folder = resolve.resolve_model_dir(str(make_gguf(tmp_path / "tiny.gguf", adds_bos=adds_bos)))
+    tokenizer = checkpoints.load_tokenizer(folder)
+    ids = tokenizer("the")["input_ids"]
+    assert (ids[0] == tokenizer.bos_token_id) == adds_bos and len(ids) == 2 + adds_bos
+
+
+def test_a_folder_quantized_elsewhere_is_refused_at_resolve(tiny_llama_dir, tmp_path):
+    """Its FP8 bytes were read as plain weights (cast without their scales), its AWQ tensors
+    failed at convert as a checkpoint missing weights."""
+    folder = Path(shutil.copytree(tiny_llama_dir, tmp_path / "fp8"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(SpecDeployError, match="is already quantized .*quant_method 'fp8'") as err:
+        resolve.resolve_model_dir(str(folder))
+    assert "unquantized model" in err.value.hint
+
+
 def _remote_code_folder(src: Path, dst: Path) -> Path:
     """A local folder whose config points at its own modeling file (a subclass of Llama)."""
     shutil.copytree(src, dst)

@@ -219,6 +219,26 @@ def test_an_architecture_convert_cannot_map_is_refused_before_the_spec_stage(tmp
     assert sorted(BuildDir(tmp_path / "build").manifest()["stages"]) == ["resolve"]  # nothing trained
 
 
+def test_a_sliding_window_model_is_refused_before_the_spec_stage(tmp_path, tiny_tokenizer_dir):
+    """It passed resolve and convert's check, trained, quantized and converted, and failed only when
+    the CPU deployment loaded it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from specdeploy.pipeline import _convertible
+
+    config = Qwen2Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=256, use_sliding_window=True, sliding_window=32)
+    model = Qwen2ForCausalLM(config)
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    model.save_pretrained(tmp_path / "windowed")
+    with pytest.raises(SpecDeployError, match="sliding-window attention \\(sliding_window=32, context 256\\)") as err:
+        _convertible(tmp_path / "windowed")
+    assert "full attention" in err.value.hint
+    config.use_sliding_window = False  # Qwen2.5's own configs: a window named, not used
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "full")
+    assert _convertible(tmp_path / "full") == tmp_path / "full"
+
+
 def test_next_commands_name_the_build_that_was_made(tmp_path):
     from specdeploy.pipeline import EngineOptions, next_commands
 

@@ -267,3 +267,20 @@ def test_cli_convert_direct(tiny_llama_dir, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specdeploy", "convert", "--hf-dir", str(tiny_llama_dir), "--out", str(tmp_path / "x"),
                           "--spec", "none", "--tp-size", "3"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "not divisible by --tp-size 3" in bad.stderr
+
+
+def test_the_biases_a_llama_config_declares_are_the_engines_too(tmp_path):
+    """TensorRT-LLM ignores bias tensors its config does not ask for (a warning): the engine
+    computed without the attention and MLP biases the checkpoint held."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, attention_bias=True, mlp_bias=True)
+    model = LlamaForCausalLM(cfg).eval()
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(tmp_path / "biased")
+    convert_all(tmp_path / "biased", tmp_path / "out")
+    config = _config(tmp_path / "out")
+    assert config["attn_bias"] is True and config["mlp_bias"] is True
+    rank0 = load_file(str(tmp_path / "out" / "target" / "rank0.safetensors"))
+    assert {"transformer.layers.0.attention.qkv.bias", "transformer.layers.0.mlp.fc.bias"} <= set(rank0)

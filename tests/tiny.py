@@ -93,3 +93,58 @@ def without_eos(model_dir: Path, out: Path) -> Path:
             config["eos_token_id"] = None
             path.write_text(json.dumps(config, indent=2))
     return out
+
+
+def make_gguf(out: Path, *, rope_scaling: str | None = None, rope_freqs: bool = False, adds_bos: bool = False) -> Path:
+    """A 2-layer Llama GGUF (float32 tensors) with a byte-level tokenizer: what llama.cpp's files
+    say about RoPE scaling and BOS, in a few kilobytes."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    hidden, layers, ffn, heads, kv_heads, vocab = 64, 2, 128, 4, 2, 300
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name("tiny")
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    if rope_scaling:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+        writer.add_rope_scaling_factor(4.0)
+    byte_tokens = [bytes_to_unicode()[i] for i in range(256)] + ["Ġt", "Ġa", "he", "in"]
+    tokens = byte_tokens + [f"x{i}" for i in range(len(byte_tokens), vocab - 3)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 3) + [3] * 3)
+    writer.add_token_merges(["Ġ t", "Ġ a", "h e", "i n"])
+    writer.add_bos_token_id(vocab - 2)
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_add_bos_token(adds_bos)
+    rng = np.random.default_rng(0)
+    weight = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("output.weight", weight(vocab, hidden))
+    if rope_freqs:  # Llama 3.1's scaled RoPE, as llama.cpp stores it
+        writer.add_tensor("rope_freqs.weight", np.linspace(1, 8, hidden // heads // 2).astype(np.float32))
+    head_dim = hidden // heads
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                            ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

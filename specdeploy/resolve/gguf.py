@@ -13,7 +13,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.fileio import atomic_write_json, cache_dir, cached_sha256
 from specdeploy.resolve.cache import is_complete_hf_dir, locked, publish_dir
 
-CONVERSION_VERSION = 2  # bump when the GGUF -> safetensors conversion changes its output
+CONVERSION_VERSION = 3  # bump when the GGUF -> safetensors conversion changes its output (3: BOS as the GGUF adds it)
 
 
 def _pick_dtype(dtype: str, n_params: int) -> str:
@@ -34,6 +34,7 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "auto") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf.name} to safetensors (dequantizing; done once, then cached)", file=sys.stderr)
+    add_bos = _check_readable(gguf)
     try:
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, OSError) as err:  # not GGUF, truncated, or an architecture transformers cannot map
@@ -60,8 +61,30 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "auto") -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.clean_up_tokenization_spaces = False  # BPE: cleanup would strip spaces before punctuation
     _fix_special_tokens(tokenizer, config)
+    tokenizer.add_bos_token = add_bos  # transformers' GGUF tokenizer ignores tokenizer.ggml.add_bos_token
     tokenizer.save_pretrained(out)
     return out
+
+
+def _check_readable(gguf: Path) -> bool:
+    """Refuse what transformers' GGUF loader would drop without a word; whether the tokenizer adds
+    BOS (llama.cpp does where the file says so: Llama 3's). transformers 5.14 reads no RoPE scaling
+    for llama / qwen2 (only rope.freq_base) and loads non-strictly, so a `{arch}.rope.scaling.*`
+    setting or Llama 3.1's `rope_freqs` tensor would vanish and the model compute differently."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf)
+    except Exception:  # not GGUF or truncated: transformers' own error below says which
+        return False
+    field = lambda name: reader.fields[name].contents() if name in reader.fields else None  # noqa: E731
+    arch = field("general.architecture")
+    scaling = field(f"{arch}.rope.scaling.type")
+    if (scaling not in (None, "none")) or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise SpecDeployError(f"{gguf.name} scales its RoPE ({scaling or 'rope_freqs'}), which transformers' GGUF loader "
+                              "drops: the converted model would compute differently",
+                              hint="pass the model's Hugging Face folder (safetensors) instead of the GGUF file")
+    return bool(field("tokenizer.ggml.add_bos_token"))
 
 
 def _architectures(mapping: dict[str, Any]) -> list[str]:

@@ -65,8 +65,21 @@ def refuse_pickles(folder: Path, pickles: list[Path], allow_pickle: bool) -> Non
         )
 
 
+def _check_unquantized(folder: Path) -> None:
+    """A folder quantized elsewhere (FP8 with block scales, AWQ, GPTQ, bitsandbytes ...) holds
+    weights the stages would read as plain ones (FP8 bytes cast without their scales) or not at
+    all; specdeploy quantizes the base itself. A ModelOpt checkpoint (its own export) is read with
+    its numerics."""
+    method = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "modelopt"):
+        raise SpecDeployError(f"{folder} is already quantized (quantization_config quant_method {method!r})",
+                              hint="pass the unquantized model (bf16 / fp16 / fp32 weights): the quantize stage "
+                                   "quantizes it (make engine QUANT=fp8|int4_awq|...)")
+
+
 def resolve_local_dir(folder: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Path:
     _check_remote_code(folder, trust_remote_code)
+    _check_unquantized(folder)
     if any(folder.glob("*.safetensors")):
         _check_safetensors(folder)
         return folder

@@ -82,8 +82,10 @@ def base_config(src: HFSource, tp: int, pp: int, kind: str = "none") -> dict[str
         "quantization": quant_config(src, kind, pp),
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
-        "mlp_bias": False,
-        "attn_bias": src.family == "qwen2",
+        # the biases the HF config declares (Qwen2's attention always has them): TensorRT-LLM would
+        # ignore bias tensors its config does not ask for
+        "mlp_bias": bool(src.config.get("mlp_bias", False)),
+        "attn_bias": src.family == "qwen2" or bool(src.config.get("attention_bias", False)),
         # lm_head is always written (a copy of the embedding when the HF model ties them)
         "tie_word_embeddings": False,
     }
