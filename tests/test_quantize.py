@@ -618,3 +618,19 @@ def test_the_quantized_spec_module_keeps_its_lm_head_unquantized():
     assert model["eagle_module"]["fc"].weight_quantizer.is_enabled
     assert not model["eagle_module"]["lm_head"].weight_quantizer.is_enabled
     assert not model["eagle_module"]["lm_head"].input_quantizer.is_enabled
+
+
+@pytest.mark.parametrize("dtype,made_again", [("float16", True), ("bfloat16", False)])
+def test_an_fp16_build_of_before_the_compute_fix_is_quantized_again_and_no_other(tmp_path, tiny128_dir, monkeypatch,
+                                                                                  dtype, made_again):
+    """An fp16 build made before computed in bf16 on a bf16 CPU: its record (no revision) no longer
+    counts as complete; a bf16 build's output did not change and is kept."""
+    build = _build(tmp_path, tiny128_dir)
+    calls = []
+    monkeypatch.setattr(stage, "_quantize_into", lambda tmp, *a, **k: calls.append(tmp))
+    Q.run(build, "fp8", "fp8", dtype=dtype, **FAST)
+    manifest = json.loads((build.root / "manifest.json").read_text())
+    manifest["stages"]["quantize"]["settings"].pop("revision", None)  # as the build made before recorded it
+    (build.root / "manifest.json").write_text(json.dumps(manifest))
+    Q.run(build, "fp8", "fp8", dtype=dtype, **FAST)
+    assert len(calls) == 1 + made_again

@@ -84,13 +84,17 @@ def test_cache_key_follows_the_weights_not_the_folder(tiny_llama_dir, tmp_path):
     assert cache_key(copy, settings) != cache_key(tiny_llama_dir, settings)  # answers to other prompt encodings
 
 
-def test_data_made_in_batches_of_another_size_is_other_data(tiny_llama_dir, tmp_path, monkeypatch):
-    """A batch's left padding rounds the states apart: data made 2 prompts at a time is not reused
-    for a run that distills 1 at a time (as after lowering --distill-batch on an out-of-memory stop)."""
+def test_answers_generated_in_batches_of_another_size_are_other_data(tiny_llama_dir, tmp_path, monkeypatch):
+    """A batch's left padding rounds the states apart: answers generated 2 prompts at a time are not
+    reused for a run that distills 1 at a time (as after lowering --distill-batch on an out-of-memory
+    stop); a batch past the shard's size is the shard's, and the conversations read (in batches of
+    their own) are reused."""
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "cache"))
-    made = [distill(tiny_llama_dir, num_prompts=2, max_new_tokens=8, layers=[1], batch_size=size, device="cpu").info["data_key"]
-            for size in (2, 1, 2)]
-    assert made[0] != made[1] and made[0] == made[2]
+    made = {size: distill(tiny_llama_dir, num_prompts=2, max_new_tokens=8, layers=[1], batch_size=size, device="cpu",
+                          teacher_forced_samples=2, tf_max_tokens=32).info["data_key"] for size in (2, 1, 64, 128)}
+    assert made[2] != made[1] and made[64] == made[128] not in (made[1], made[2])
+    shards = sorted(p.name for p in (tmp_path / "cache" / "spec_data").glob("*/*-00000-2"))
+    assert len(shards) == 4 and shards[:2] == ["shard-b1-00000-2", "shard-b2-00000-2"] and shards[3] == "tf-shard-00000-2"
 
 
 def test_temp_shards_of_killed_runs_are_removed_and_a_running_ones_kept(tmp_path):

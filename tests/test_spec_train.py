@@ -199,7 +199,7 @@ def test_code_prompts_are_completed_raw_in_their_own_shards(tiny_llama_dir):
     code = distill(tiny_llama_dir, num_prompts=0, code_prompts=4, max_new_tokens=8, layers=data_layers(2), batch_size=4,
                    device="cpu")
     shards = {p.name for p in (cache_dir() / "spec_data").glob("*/code-*")}
-    assert f"code-{stdlib_code_digest()}-00000-4" in shards
+    assert f"code-{stdlib_code_digest()}-b4-00000-4" in shards
     tokenizer = load_tokenizer(tiny_llama_dir)
     ends = [0, *((~code.valid).nonzero().squeeze(1) + 1).tolist()]
     samples = [code.tokens[a:b].tolist() for a, b in zip(ends, ends[1:])]

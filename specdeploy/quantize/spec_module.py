@@ -22,7 +22,8 @@ SPEC_PREFIXES = {"medusa": "medusa_heads", "eagle": "eagle_module"}
 def _spec_quant_config(prefix: str) -> dict[str, Any]:
     """FP8 weights + static FP8 inputs for the module's Linears only (the base is quantized and
     exported separately: this calibration only needs the base to produce the module's inputs),
-    its LM head left out as ModelOpt's presets leave the base's."""
+    EAGLE's LM head left out as ModelOpt's presets leave the base's (Medusa's heads end in their
+    own vocabulary projections, quantized with the rest: measured only, never deployed)."""
     fp8 = {"num_bits": (4, 3), "axis": None}
     return {"quant_cfg": [
         {"quantizer_name": "*", "enable": False},

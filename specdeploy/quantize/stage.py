@@ -62,6 +62,8 @@ def run(build: BuildDir, qformat: str = "fp8", kv_cache: str = "fp8", *, calib_s
                 "report_texts": report_texts, "seed": seed}
     if exclude:  # only when used: builds made before --exclude existed stay complete
         settings["exclude"] = list(exclude)
+    if dtype == "float16" or quantize_spec:  # made again: fp16 was computed in bf16 on a bf16 CPU, the
+        settings["revision"] = 2  # EAGLE module's LM head was FP8; no other build's output changed
     if build.completed(STAGE, settings, consumes=consumes):
         return build.path(OUT)
     torch_device = resolve_device(device)

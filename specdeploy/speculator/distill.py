@@ -186,7 +186,10 @@ def _shard_size(default: int, tokens_per_sample: int, bytes_per_token: int) -> i
 
 
 def _jobs(root: Path, num_prompts: int, conversations: int, code_prompts: int, gen_seq: int, tf_seq: int,
-          per_token: int) -> list[Job]:
+          per_token: int, batch_size: int) -> list[Job]:
+    """The shards of a request. A generated shard's name holds the batch it is made in (left
+    padding rounds the states apart; a batch past the shard's size is the shard): after a lower
+    --distill-batch the shards made in the old batch are not taken, the read ones (TF_BATCH) are."""
     from specdeploy.data import sharegpt_conversations, stdlib_code_digest, stdlib_code_prompts
 
     sources = [("shard", "generate", chat_prompts(num_prompts, "train"), SHARD, gen_seq)]
@@ -197,9 +200,10 @@ def _jobs(root: Path, num_prompts: int, conversations: int, code_prompts: int, g
     jobs = []
     for prefix, kind, items, default, seq in sources:
         size = _shard_size(default, seq, per_token)
+        batch = "" if kind == "read" else f"b{min(batch_size, size)}-"
         for i in range(0, len(items), size):
             chunk = items[i:i + size]
-            jobs.append(Job(root / f"{prefix}-{i // size:05d}-{len(chunk)}", kind, chunk, seq))
+            jobs.append(Job(root / f"{prefix}-{batch}{i // size:05d}-{len(chunk)}", kind, chunk, seq))
     return jobs
 
 
@@ -219,13 +223,13 @@ def distill(
     dtype = dtype or fast_dtype(device)
     parallel = parallel or Parallel(device=device)
     layers = sorted(layers)
-    # everything the states depend on: a batch's left padding and the device's kernels round them apart
+    # CPU and GPU kernels round the states apart (a generated shard's name holds its batch: see _jobs)
     settings = {"max_new_tokens": max_new_tokens, "layers": layers, "dtype": dtype, "max_prompt_tokens": MAX_PROMPT_TOKENS,
-                "tf_max_tokens": tf_max_tokens, "batch_size": batch_size, "device_type": device.type}
+                "tf_max_tokens": tf_max_tokens, "device_type": device.type}
     root = cache_dir() / "spec_data" / cache_key(model_dir, settings)
     per_token = memory.hidden_bytes_per_token(memory.Arch.read(model_dir), len(layers))
     gen_seq = MAX_PROMPT_TOKENS + max_new_tokens
-    jobs = _jobs(root, num_prompts, teacher_forced_samples, code_prompts, gen_seq, tf_max_tokens, per_token)
+    jobs = _jobs(root, num_prompts, teacher_forced_samples, code_prompts, gen_seq, tf_max_tokens, per_token, batch_size)
     missing = [job for job in jobs if not (job.folder / INFO_FILE).is_file()]
     # every rank lists the missing shards before any rank publishes one: a rank that listed after
     # another's first shard appeared would split a shorter list, and a shard would go unmade
