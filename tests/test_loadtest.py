@@ -77,6 +77,7 @@ def test_spec_off_above_is_the_last_paying_level_before_break_even():
     assert suggested_spec_off_above([1, 2, 4, 8], [0.7, 0.9, 0.8, 0.6]) == 0  # not even alone
     assert suggested_spec_off_above([1, 2, 3, 4], [1.3, 1.04, 1.09, 0.8], pays=1.05) == 3  # 2's gain within the margin is noise
     assert suggested_spec_off_above([1, 2, 3, 4], [1.3, 1.04, 1.02, 0.8], pays=1.05) == 1  # ... unless nothing above paid
+    assert suggested_spec_off_above([1, 2, 4, 8], [1.2, None, None, 0.9]) == 1  # levels with errors measured nothing
 
 
 def test_a_level_stops_paying_only_where_speculation_lost_in_every_pass(tiny_tokenizer_dir):

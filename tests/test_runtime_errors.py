@@ -90,3 +90,15 @@ def test_a_draft_length_below_one_is_refused_not_replaced_or_turned_off(target, 
         generate(target, [1, 2, 3], SamplingParams(max_new_tokens=4), proposer, draft_len=draft_len)
     with pytest.raises(SpecDeployError, match="max_draft_len must be a positive integer"):
         InflightBatcher(target, proposer.fork, draft_len=draft_len)
+
+
+def test_spec_validate_refuses_a_max_new_tokens_that_leaves_no_room_for_a_prompt(target, tokenizer):
+    """The prompt budget went to 0 or below: a code prompt was then kept whole (ids[-0:]) and a chat
+    one cut from the wrong end, without a word."""
+    from specdeploy.speculator.validate import measure
+
+    context = target.config.max_position_embeddings
+    with pytest.raises(SpecDeployError, match=f"--max-new-tokens {context - 20} leaves no room") as err:
+        measure(target, tokenizer, build_proposer("ngram", target), categories=("code",), num_prompts=1,
+                max_new_tokens=context - 20)
+    assert f"at most {context - 64}" in err.value.hint

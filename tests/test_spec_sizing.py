@@ -84,6 +84,22 @@ def test_the_speed_is_measured_once_per_build_and_per_base(tmp_path, monkeypatch
     assert trained[-1].kind == "medusa" and "sizing" not in build.record("spec")
 
 
+def test_a_batch_or_window_override_measures_the_speed_again(tmp_path, monkeypatch):
+    """The speed is per unit of the settings it was measured with: a step of 32 windows is not a step
+    of 4, so the recorded speed of the defaults predicted a --batch-size 32 recipe within the budget."""
+    trained, calls = [], []
+    monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
+    build = _build(tmp_path)
+    _host(monkeypatch, train_step_s=0.1, calls=calls)  # 44 + 40 + 80 s: fits
+    commands.run(build, "eagle", device="cpu")
+    _host(monkeypatch, train_step_s=0.8, calls=calls)  # a step of 8x the windows, measured: beyond the budget
+    commands.run(build, "eagle", device="cpu", batch_size=LARGE.batch_size * 8)
+    assert len(calls) == 2 and calls[1].batch_size == LARGE.batch_size * 8
+    assert trained == [LARGE, replace(SMALL, batch_size=LARGE.batch_size * 8)]
+    commands.run(build, "eagle", device="cpu", batch_size=LARGE.batch_size * 8, steps=100)  # counts only: not again
+    assert len(calls) == 2
+
+
 def test_no_measurement_when_both_tiers_train_the_same(tmp_path, monkeypatch):
     trained = []
     monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))

@@ -444,6 +444,30 @@ def test_auto_draft_shape_serves_the_planners_fastest_shape_on_the_cpu_only(make
         stage.run(build, spec="eagle", cpu_draft_shape="best")
 
 
+def test_auto_plans_the_load_of_a_fixed_tree_too(tiny_llama_dir, monkeypatch, tmp_path):
+    """Medusa drafts its one tree, so there is no shape to plan; the load up to which that tree pays
+    still is (it got none: the deployment speculated at every batch size)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdeploy.checkpoints.modules.medusa import modelopt_config as medusa_config
+    from specdeploy.speculator import convert_model, medusa, module_state_dict
+
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "cache"))
+    build = BuildDir(tmp_path / "medusa")
+    resolve.run(build, str(tiny_llama_dir))
+    model, config = AutoModelForCausalLM.from_pretrained(build.path("base")), medusa_config(3, 1)
+    convert_model(model, "medusa", config)
+    medusa.init_module(model)  # a module the runtime loads (medusa_module() is only read by convert)
+    spec_stage(build, "medusa", module_state_dict(model, "medusa"), {"choices": TREE, "modelopt_config": config})
+    convert.run(build)
+    out = stage.run(build, spec="medusa", cpu_draft_shape="auto")
+    planned = json.loads((out / "cpu" / PLAN_FILE).read_text())
+    assert planned["plan"] is None and planned["options"] == {}
+    assert [p["batch"] for p in planned["load"]["curve"]] == load_sizes(CPU_MAX_BATCH_SIZE)
+    assert deployment(out).get("spec_off_above") == planned["load"]["spec_off_above"]
+    assert deployment(out)["spec"]["max_draft_len"] == validate_choices(TREE).num_nodes  # the tree as packaged
+
+
 def test_dynamic_tree_on_a_release_that_has_it_both_sides(make):
     build = make("eagle", trtllm_version="1.3.0", eagle_tree="dynamic", max_draft_len=3, tree_topk=2, tree_total=5)
     out = stage.run(build, spec="eagle")

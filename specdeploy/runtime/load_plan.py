@@ -121,5 +121,5 @@ def suggested_spec_off_above(levels: list[int], speedups: list[float | None], pa
     point = break_even(levels, speedups, pays)
     if point is None:
         return None
-    paying = [level for level in levels if level < point]
+    paying = [level for level, s in zip(levels, speedups) if s is not None and level < point]  # measured ones only
     return max(paying) if paying else 0

@@ -68,12 +68,22 @@ class Work:
                 + self.train_steps * speed.train_step_s)
 
 
+# TrainSettings that count the work without changing what a unit of it costs; every other one (batch,
+# window, the module's shape) shapes the speed measure() times, so a change to it measures again
+WORK_COUNTS = frozenset({"steps", "lr", "num_prompts", "max_new_tokens", "teacher_forced", "code_prompts",
+                         "checkpoint_every", "seed", "choices"})
+
+
+def measured_with(settings: TrainSettings) -> dict[str, Any]:
+    return {key: value for key, value in asdict(settings).items() if key not in WORK_COUNTS}
+
+
 def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel, *,
              trust_remote_code: bool = False) -> tuple[str, dict[str, Any] | None]:
     """'cpu' or 'cpu-small' for this build on this CPU and the sizing it rests on: the host's speed
-    measured once per build and base (recorded), the work counted for the recipe asked this time
-    (other overrides, another prediction); rank 0 decides, the other ranks read its choice. No
-    sizing where both tiers train the same."""
+    measured once per build, base and per-unit settings (recorded: another --batch-size or window is
+    measured again), the work counted for the recipe asked this time; rank 0 decides, the other ranks
+    read its choice. No sizing where both tiers train the same."""
     large, small = (settings_for(kind, preset, tier=tier, **overrides) for tier in ("cpu", "cpu-small"))
     if large == small:
         return "cpu", None
@@ -82,8 +92,9 @@ def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any],
 
         base_dir = build.path("base")
         known = recorded(build)
-        speed = HostSpeed(**known["speed"]) if known else measure(base_dir, large, parallel.device,
-                                                                   trust_remote_code=trust_remote_code)
+        same = known is not None and known.get("measured_with") == measured_with(large)
+        speed = HostSpeed(**known["speed"]) if same else measure(base_dir, large, parallel.device,
+                                                                  trust_remote_code=trust_remote_code)
         work = work_for(large, load_tokenizer(base_dir))
         predicted = work.seconds(speed)
         tier = "cpu" if predicted <= SPEC_BUDGET_S else "cpu-small"
@@ -91,7 +102,7 @@ def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any],
               f"(budget {SPEC_BUDGET_S:.0f} s): {tier} tier", file=sys.stderr)
         atomic_write_json(build.root / SIZING_FILE, {
             "tier": tier, "predicted_s": round(predicted, 1), "budget_s": SPEC_BUDGET_S, "speed": asdict(speed),
-            "work": asdict(work), "base": build.fingerprint("resolve")})
+            "work": asdict(work), "base": build.fingerprint("resolve"), "measured_with": measured_with(large)})
     parallel.barrier()  # rank 0 has written the choice
     sizing = recorded(build)
     return sizing["tier"], sizing

@@ -87,7 +87,11 @@ def measure(
 
     params = SamplingParams(max_new_tokens=max_new_tokens)
     timed = _Timed(proposer)
-    room = min(256, target.config.max_position_embeddings - max_new_tokens - 32)  # 32: chat template
+    context = target.config.max_position_embeddings
+    room = min(256, context - max_new_tokens - 32)  # 32: chat template
+    if room < 1:
+        raise SpecDeployError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                              f"{context}-token context", hint=f"use at most {context - 64} new tokens")
     results: dict[str, CategoryResult] = {}
     for category in categories:
         result = results.setdefault(category, CategoryResult())

@@ -28,18 +28,19 @@ LOAD_PAYS = 1.05
 
 def plan_cpu_repo(cpu: Path, deployment: dict[str, Any], structure: DraftStructure | None, *,
                   max_batch_size: int, spec_off_above: int | None) -> None:
-    """Plan the written CPU repository `cpu` (its deployment.json is `deployment`): the shape, then,
-    unless the user gave `spec_off_above`, the load; the measurement goes to cpu/PLAN_FILE."""
+    """Plan the written CPU repository `cpu` (its deployment.json is `deployment`, which speculates):
+    the shape (a fixed tree, Medusa's or static EAGLE choices, keeps its own), then, unless the user
+    gave `spec_off_above`, the load; the measurement goes to cpu/PLAN_FILE."""
     written = cpu / "tensorrt_llm" / "1" / DEPLOYMENT_FILE
-    planned = plan_cpu_shape(written, structure)
-    if planned is not None:
+    planned = plan_cpu_shape(written, structure) or {"options": {}, "plan": None}
+    if planned["options"]:
         deployment["spec"].update(planned["options"])
         atomic_write_json(written, deployment)
-        if spec_off_above is None:  # the user's value wins
-            planned["load"] = plan_cpu_load(written, max_batch_size)
-            if planned["load"]["spec_off_above"] is not None:
-                atomic_write_json(written, {**deployment, "spec_off_above": planned["load"]["spec_off_above"]})
-        atomic_write_json(cpu / PLAN_FILE, planned)
+    if spec_off_above is None:  # the user's value wins
+        planned["load"] = plan_cpu_load(written, max_batch_size)
+        if planned["load"]["spec_off_above"] is not None:
+            atomic_write_json(written, {**deployment, "spec_off_above": planned["load"]["spec_off_above"]})
+    atomic_write_json(cpu / PLAN_FILE, planned)
 
 
 def plan_cpu_shape(path: Path, structure: DraftStructure | None) -> dict[str, Any] | None:
