@@ -199,8 +199,10 @@ class RequestReader:
 
     def _params(self, inputs: Inputs, prompt_len: int) -> SamplingParams:
         max_tokens = inputs.scalar("request_output_len")
-        if max_tokens is None or max_tokens <= 0:
-            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens is None:
+            raise BadRequest("max_tokens (tensorrt_llm's request_output_len) is required")
+        if max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens} (tensorrt_llm's request_output_len)")
         if prompt_len + max_tokens > self.context:
             raise BadRequest(
                 f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceed the model's context of "
@@ -245,9 +247,11 @@ class RequestReader:
         return ids, tuple(s for s in strings if s)
 
 
-def _finite(value, name: str) -> float:
+def _finite(value, name: str, input_name: str | None = None) -> float:
+    """`input_name`: tensorrt_llm's own input, where the ensemble's `name` differs (a client of
+    tensorrt_llm reads the name it sent)."""
     if not math.isfinite(float(value)):
-        raise BadRequest(f"{name} must be a finite number, got {value}")
+        raise BadRequest(f"{name} must be a finite number, got {value}" + (f" (tensorrt_llm's {input_name})" if input_name else ""))
     return float(value)
 
 
@@ -255,12 +259,12 @@ def sampling(inputs: Inputs) -> dict:
     """temperature / top_k / top_p as TensorRT-LLM reads them: top_p <= 0 is unset, top_k 0 is
     unset, and with neither set (or top_k 1) it decodes greedily whatever the temperature."""
     top_k = int(inputs.scalar("runtime_top_k", 0))
-    top_p = _finite(inputs.scalar("runtime_top_p", 0.0), "top_p")
+    top_p = _finite(inputs.scalar("runtime_top_p", 0.0), "top_p", "runtime_top_p")
     temperature = _finite(inputs.scalar("temperature", 1.0), "temperature")
     if top_k < 0:  # the checks TensorRT-LLM's SamplingConfig makes
-        raise BadRequest(f"top_k must be >= 0 (0: unset), got {top_k}")
+        raise BadRequest(f"top_k must be >= 0 (0: unset), got {top_k} (tensorrt_llm's runtime_top_k)")
     if top_p > 1.0:
-        raise BadRequest(f"top_p must be <= 1 (0 or less: unset), got {top_p:.6g}")
+        raise BadRequest(f"top_p must be <= 1 (0 or less: unset), got {top_p:.6g} (tensorrt_llm's runtime_top_p)")
     if temperature < 0.0:
         raise BadRequest(f"temperature must be >= 0, got {temperature:.6g}")
     if top_k == 1 or (top_k == 0 and top_p <= 0.0):
