@@ -48,6 +48,7 @@ class Request:
     random_seed: int | None = None
     end_id: int | None = None
     pad_id: int | None = None
+    min_tokens: int | None = None  # TensorRT-LLM's: no end token before the answer has this many tokens
     stop_words: list[str] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)
     return_perf_metrics: bool = True
@@ -59,7 +60,7 @@ class Request:
             "text_input": self.text_input, "max_tokens": self.max_tokens, "stream": stream,
             "return_perf_metrics": self.return_perf_metrics, "exclude_input_in_output": True,
         }
-        for name in ("temperature", "top_k", "top_p", "end_id", "pad_id"):
+        for name in ("temperature", "top_k", "top_p", "end_id", "pad_id", "min_tokens"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         if self.random_seed is not None:
@@ -337,6 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="top-k sampling (0: unset, 1: greedy)")
     parser.add_argument("--top-p", type=float, help="top-p sampling (0 or less: unset)")
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--min-tokens", type=int,
+                        help="no end token before the answer has this many tokens (TensorRT-LLM's min_tokens; with "
+                             "--max-tokens the same: answers of exactly that length, as benchmarks send)")
     parser.add_argument("--stop-word", action="append", default=[], help="repeatable")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the whole answer; then the request is cancelled")
 
@@ -346,7 +350,7 @@ def main(args: argparse.Namespace) -> int:
     client.wait_ready(timeout_s=10)
     request = Request(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, random_seed=args.seed, stop_words=args.stop_word,
+        top_p=args.top_p, random_seed=args.seed, min_tokens=args.min_tokens, stop_words=args.stop_word,
     )
     printer = (lambda text: print(text, end="", flush=True)) if args.stream else None
     completion = client.generate(request, stream=args.stream, on_text=printer)

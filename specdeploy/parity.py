@@ -52,7 +52,7 @@ class ParityResult:
 
 @torch.inference_mode()
 def hf_reference(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int, guess: str | None = None, *,
-                 complete: bool = True) -> Reference:
+                 complete: bool = True, min_tokens: int = 0) -> Reference:
     """The reference: greedy decoding (`generate(do_sample=False)`) on the same weights and dtype.
 
     Given a guess (the served answer), its tokens are checked in one forward pass, as a verify
@@ -60,23 +60,25 @@ def hf_reference(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int
     choice, takes its own choice where they part, and then generates on (`complete`) or stops
     there (enough to place the divergence). Wherever no position sits at a rounding-level tie,
     this is token for token what generate() returns, for one forward when the guess is right
-    instead of one per token.
+    instead of one per token. `min_tokens`: TensorRT-LLM's (no end token before the answer has that
+    many tokens, the end token counted), i.e. generate()'s min_new_tokens one fewer.
     """
     eos = eos_token_ids(model)  # what generate() stops at
     tokens: list[int] = []
     margins: list[float] = []
     if guess is not None:
-        tokens, margins = _along_guess(model, tokenizer, prompt_ids, guess, max_new_tokens, eos)
+        tokens, margins = _along_guess(model, tokenizer, prompt_ids, guess, max_new_tokens, eos, min_tokens)
     finished = len(tokens) >= max_new_tokens or bool(tokens) and tokens[-1] in eos
     if complete and not finished:
         prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
-        more, more_margins = _generate(model, tokenizer, prefix, max_new_tokens - len(tokens))
+        more, more_margins = _generate(model, tokenizer, prefix, max_new_tokens - len(tokens),
+                                       min_new_tokens=max(min_tokens - 1 - len(tokens), 0))
         tokens, margins = tokens + more, margins + more_margins
     return Reference(tokens, tokenizer.decode(tokens, skip_special_tokens=True), margins)
 
 
 def _along_guess(model, tokenizer, prompt_ids: torch.Tensor, guess: str, max_new_tokens: int,
-                 eos: set[int]) -> tuple[list[int], list[float]]:
+                 eos: set[int], min_tokens: int = 0) -> tuple[list[int], list[float]]:
     """Greedy decoding along the guess's text (`greedy_path` on its tokens). The guess is text, and
     a model can write a text in other tokens than the tokenizer would ("a" then "b" where "ab" is one
     token): where the reference's own token still writes the guess's text, the rest of the text is
@@ -90,7 +92,7 @@ def _along_guess(model, tokenizer, prompt_ids: torch.Tensor, guess: str, max_new
         guessed = [] if midway else \
             tokenizer(guess[len(written):], add_special_tokens=False)["input_ids"][:max_new_tokens - len(tokens)]
         prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
-        path, path_margins = greedy_path(model, prefix, guessed, eos)
+        path, path_margins = greedy_path(model, prefix, guessed, eos, held=max(min_tokens - 1 - len(tokens), 0))
         tokens, margins = tokens + path, margins + path_margins
         if path[-1] in eos or not midway and len(path) > len(guessed):
             break  # an end token, or past the guess's end
@@ -105,15 +107,20 @@ def _margin(scores: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def greedy_path(model, prompt_ids: torch.Tensor, guessed: list[int], eos: set[int]) -> tuple[list[int], list[float]]:
+def greedy_path(model, prompt_ids: torch.Tensor, guessed: list[int], eos: set[int],
+                held: int = 0) -> tuple[list[int], list[float]]:
     """Greedy decoding along a guess, in one forward: the guessed tokens that are the model's
     argmax given the ones before them, then its own next token (where it parts from the guess, or
-    after the last); it stops at an EOS. With each token's top-2 logit margin."""
+    after the last); it stops at an EOS, which cannot be chosen at the first `held` positions
+    (generate()'s min_new_tokens). With each token's top-2 logit margin."""
     guess_ids = torch.tensor([guessed], dtype=prompt_ids.dtype, device=prompt_ids.device)
     ids = torch.cat([prompt_ids, guess_ids], dim=1)
     logits = model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=len(guessed) + 1).logits[0]
     tokens, margins = [], []
-    for scores, token in zip(logits, guessed + [None]):
+    ends = torch.tensor(sorted(i for i in eos if i < logits.shape[-1]), dtype=torch.long, device=logits.device)
+    for position, (scores, token) in enumerate(zip(logits, guessed + [None])):
+        if position < held:
+            scores = scores.index_fill(0, ends, float("-inf"))
         choice = int(scores.argmax())
         tokens.append(choice)
         margins.append(_margin(scores))
@@ -147,11 +154,13 @@ def margin_shift(model, prompt_ids: torch.Tensor, answer: list[int], chunk: int)
     return (margins(whole) - margins(torch.cat(steps))).abs().tolist()
 
 
-def _generate(model, tokenizer, prefix: torch.Tensor, max_new_tokens: int) -> tuple[list[int], list[float]]:
+def _generate(model, tokenizer, prefix: torch.Tensor, max_new_tokens: int,
+              min_new_tokens: int = 0) -> tuple[list[int], list[float]]:
     out = model.generate(
         prefix,
         attention_mask=torch.ones_like(prefix),
         max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,  # its scores are then the held-off ones, as greedy_path's margins
         do_sample=False,
         output_scores=True,
         return_dict_in_generate=True,

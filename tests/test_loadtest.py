@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -23,11 +24,15 @@ from specdeploy.loadtest.report import AR, CONTROL, SPEC, build_report
 from specdeploy.loadtest.sending import Sweep, Timed, arrival_times
 from specdeploy.parity import NEAR_TIE, hf_reference
 from specdeploy.stats import percentiles
-from specdeploy.verify.reference import load_reference
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.load_plan import break_even, suggested_spec_off_above
 from specdeploy.triton import stage as package_stage
 from specdeploy.triton.serve import TritonServer
+from specdeploy.runtime.decoding import eos_token_ids
+from specdeploy.runtime.deployment import load_decoder
+from specdeploy.runtime.types import SamplingParams
+from specdeploy.verify.cpu_repository import DEPLOYMENT
+from specdeploy.verify.reference import load_prompts, load_reference
 from tests.tiny import make_llama
 
 MAX_TOKENS = 8
@@ -269,6 +274,22 @@ def test_the_near_tie_judge_passes_the_references_answer_and_fails_a_departure_a
     assert measured["measured"]["positions"] == len(greedy.token_ids) + 1 and measured["ok"]
 
 
+def test_the_near_tie_judge_holds_off_the_end_as_fixed_length_requests_did(tiny_llama_dir):
+    """Requests of a fixed length (min_tokens = max tokens) run past where the model ends (EOS at
+    its 12th token here): the judge's reference holds its end off too, or it would call the served
+    answer a departure at the EOS."""
+    reference = load_reference(tiny_llama_dir, "float32", "cpu")
+    prompts = ["def add(a, b):"]
+    ids = reference.ids(prompts[0])
+    out = reference.model.generate(ids, max_new_tokens=20, min_new_tokens=19, do_sample=False)
+    served = reference.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert hf_reference(reference.model, reference.tokenizer, ids, 20).token_ids[-1] in eos_token_ids(reference.model)
+    fixed = judge_near_ties([(0, served)], prompts, reference, [20], near_tie=0.0, fixed=True)
+    assert fixed["ok"] and fixed["rows"][0]["match"]
+    ending = judge_near_ties([(0, served)], prompts, reference, [20], near_tie=0.0, fixed=False)
+    assert not ending["ok"] and ending["rows"][0]["first_divergence_token"] == 11
+
+
 @pytest.fixture(scope="module")
 def build(tmp_path_factory, tiny_tokenizer_dir) -> BuildDir:
     model = tmp_path_factory.mktemp("tiny_long")  # the held-out prompts in the tiny tokenizer exceed 256 tokens
@@ -277,7 +298,19 @@ def build(tmp_path_factory, tiny_tokenizer_dir) -> BuildDir:
     resolve.run(build, str(model))
     # float64: a batch of another shape rounds ~1e-16 apart, far below any logit margin: the exact rule
     package_stage.run(build, spec="draft", draft_model_dir=model, max_draft_len=4, dtype="float64")
+    _end_early(build.path("triton_repo") / "cpu" / DEPLOYMENT)
     return build
+
+
+def _end_early(deployment: Path) -> None:
+    """The served model's end tokens: each load-test prompt's second greedy token, so that its answers
+    end early unless min_tokens holds the end off."""
+    decoder = load_decoder(deployment)
+    answers = [decoder.generate_ids(decoder.encode(p.text_input, chat=False), SamplingParams(max_new_tokens=4)).token_ids
+               for p in load_prompts(1, decoder.tokenizer)]
+    config = decoder.target.generation_config
+    config.eos_token_id = sorted({answer[1] for answer in answers} | eos_token_ids(decoder.target))
+    config.save_pretrained(deployment.parent / json.loads(deployment.read_text())["model_dir"])
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +337,7 @@ def _figures(report: dict):
 def test_sweep_reports_both_arms_at_every_level(report, build):
     assert [e["concurrency"] for e in report["levels"]] == [1, 2] and report["arms"] == [SPEC, AR]
     assert sorted(report["settings"]["max_tokens_per_prompt"]) == [MAX_TOKENS // 2, MAX_TOKENS * 3 // 2]  # spread 0.5
-    assert report["ok"] and report["errors"] == 0
+    assert report["ok"] and report["errors"] == 0 and report["settings"]["fixed_lengths"] and report["short_answers"] == 0
     for level, arm, f in _figures(report):
         assert f["requests"] == 4 and f["errors"] == 0, (level, arm, f["error_messages"])  # 2 passes of 2
         for name in ("ttft_s", "tpot_s", "itl_s", "latency_s"):
@@ -348,7 +381,7 @@ def test_figures_follow_from_the_requests(report, tiny_tokenizer_dir):
         rows = f["per_request"]
         lengths = report["settings"]["max_tokens_per_prompt"]
         for row in rows:  # tokens are the server's own count of what it emitted; the chunks are re-tokenized text
-            assert 0 < row["tokens"] <= lengths[row["prompt"]]
+            assert row["tokens"] == lengths[row["prompt"]]  # min_tokens held off the early end tokens (_end_early)
             assert count_tokens(tokenizer, row["text"]) == sum(row["chunk_tokens"]) > 0
             assert len(row["itl_s"]) == sum(row["chunk_tokens"]) - row["chunk_tokens"][0]
             assert row["ttft_s"] == row["chunk_s"][0] <= row["latency_s"]
@@ -392,7 +425,8 @@ def test_a_running_server_alone_is_one_arm_checked_against_a_solo_pass(build):
     with TritonServer(build.path("triton_repo") / "cpu", log_path=build.root / "logs" / "loadtest-url.log", threads=1) as server:
         done = subprocess.run(
             [sys.executable, "-m", "specdeploy", "loadtest", "--build-dir", str(build.root), "--url", server.grpc_url,
-             "--concurrency", "2", "--requests-per-level", "2", "--passes", "1", "--max-tokens", "4", "--prompts", "1"],
+             "--concurrency", "2", "--requests-per-level", "2", "--passes", "1", "--max-tokens", "4", "--prompts", "1",
+             "--no-fixed-lengths"],
             capture_output=True, text=True, timeout=900,
         )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -403,3 +437,7 @@ def test_a_running_server_alone_is_one_arm_checked_against_a_solo_pass(build):
     level = report["levels"][0]
     assert level["speedup"] is None and level[SPEC]["identical"] == level[SPEC]["compared"] == 2
     assert "break-even" not in done.stdout
+    # answers left to end at EOS: the model's early end tokens cut some short of their length
+    lengths = report["settings"]["max_tokens_per_prompt"]
+    assert not report["settings"]["fixed_lengths"] and report["short_answers"] is None
+    assert any(r["tokens"] < lengths[r["prompt"]] for r in report["solo_reference"] + level[SPEC]["per_request"])

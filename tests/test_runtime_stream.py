@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from specdeploy.errors import SpecDeployError
+from specdeploy.runtime.batch import InflightBatcher
+from specdeploy.runtime.batch_requests import BatchRequest
 from specdeploy.runtime.decoding import generate
 from specdeploy.runtime.deployment import Decoder, TextStream
 from specdeploy.runtime.proposers import build_proposer
@@ -46,6 +52,39 @@ def test_eos_stops_like_transformers(target, tokenizer):
     finally:
         target.generation_config.eos_token_id = target.config.eos_token_id
     assert result.token_ids == ref_eos and ref_eos[-1] == eos and result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 9, 14, 30])
+def test_min_tokens_holds_off_the_end_as_transformers_min_new_tokens(target, tokenizer, min_tokens):
+    """TensorRT-LLM's min_tokens N (an answer of at least N tokens, its end token counted) is
+    transformers' min_new_tokens N - 1 (the end token masked until N - 1 others came): plain,
+    speculative (the target drafting for itself proposes the end token the mask then refuses) and
+    in-flight batched, beside a request without it."""
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    eos = hf_greedy(target, ids, 30)[7]
+    target.generation_config.eos_token_id = eos
+    try:
+        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, min_new_tokens=max(min_tokens - 1, 0))
+        expected = out[0, len(ids):].tolist()
+        params = SamplingParams(max_new_tokens=30, min_tokens=min_tokens)
+        results = [generate(target, ids, params, proposer, adaptive=False).token_ids
+                   for proposer in (None, build_proposer("draft", target, draft_model=target))]
+        batcher = InflightBatcher(target, build_proposer("draft", target, draft_model=target).fork, draft_len=4)
+        seqs = [batcher.add(BatchRequest(ids, p)) for p in (params, SamplingParams(max_new_tokens=30))]
+        while not all(seq.done for seq in seqs):
+            batcher.step()
+        plain = hf_greedy(target, ids, 30)
+    finally:
+        target.generation_config.eos_token_id = target.config.eos_token_id
+    assert plain[-1] == eos and len(plain) == 8  # the answer ends early without min_tokens
+    assert len(expected) == max(min_tokens, 8) or len(expected) == 30
+    assert results == [expected, expected]
+    assert [seq.result.token_ids for seq in seqs] == [expected, plain]
+
+
+def test_min_tokens_below_zero_is_refused():
+    with pytest.raises(SpecDeployError, match="min_tokens must be an integer >= 0"):
+        SamplingParams(min_tokens=-1).validate()
 
 
 def test_stop_strings(target, tokenizer):

@@ -251,7 +251,6 @@ def test_sampling_without_a_seed_repeats_as_trtllm_default_seed_does(server):
     ({"beam_search_diversity_rate": np.float32(0.5)}, None), ({"runtime_top_p_min": np.float32(0.1)}, None),
     ({"decoder_input_ids": np.array([[0]], dtype=np.int32)}, None),
     ({"repetition_penalty": np.float32(1.3)}, "repetition_penalty=1.3"),
-    ({"min_tokens": np.int32(5)}, "min_tokens=5"),
     ({"beam_width": np.int32(2)}, "beam_width=2"),
     ({"return_log_probs": np.bool_(True)}, "return_log_probs=True"),
     ({"runtime_top_p_decay": np.float32(0.5)}, "runtime_top_p_decay=0.5"),

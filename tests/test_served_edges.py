@@ -125,6 +125,22 @@ def test_streamed_pieces_concatenate_to_the_non_streamed_text(stream, decoder):
     assert whole.strip() == decoder.decode(ids).strip()
 
 
+def test_min_tokens_holds_off_the_end_id(stream, decoder):
+    """TensorRT-LLM's min_tokens reaches the runtime: with end_id a token of the greedy answer, the
+    answer stops there; with min_tokens past it, it has as many tokens as the runtime gives in-process
+    (whose min_tokens tests/test_runtime_stream.py holds to transformers' min_new_tokens)."""
+    ids = decoder.encode(PROMPT)
+    greedy = decoder.generate_ids(ids, SamplingParams(max_new_tokens=30)).token_ids
+    at = next(i for i in range(4, 30) if greedy[i] not in greedy[:i])  # the answer's first stop at it is there
+    end = greedy[at]
+    short = stream.generate(PROMPT, 30, stream=False, end_id=end).text
+    held = stream.generate(PROMPT, 30, stream=False, end_id=end, min_tokens=at + 8).text
+    expected = decoder.generate_ids(ids, SamplingParams(max_new_tokens=30, stop_token_ids=(end,), min_tokens=at + 8))
+    assert len(expected.token_ids) >= at + 8 and expected.token_ids[:at] == greedy[:at] and expected.token_ids[at] != end
+    assert held.strip() == decoder.decode(expected.token_ids).strip()
+    assert short.strip() == decoder.decode(greedy[:at + 1]).strip() and len(short) < len(held)
+
+
 def _preprocess(server, text: str) -> list[int]:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     inputs = []

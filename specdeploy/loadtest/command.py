@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each prompt asks for --max-tokens x a factor in [1 - spread, 1 + spread], spread evenly over "
                              "the prompts (default 0.5: 16-48 tokens), as a dataset's answers vary; 0: all alike, and the "
                              "closed loop's clients then finish together and return as one burst")
+    parser.add_argument("--fixed-lengths", action=argparse.BooleanOptionalAction, default=True,
+                        help="each request sends min_tokens = its max tokens, so every answer has exactly its length in "
+                             "every pass and arm, as trtllm-bench and GenAI-Perf's TensorRT-LLM runs do (default); "
+                             "--no-fixed-lengths lets answers end at EOS, where a near-tie decided by the batch's shape "
+                             "(bf16) ends one early in one pass and not in the next: unequal work for the two arms")
     parser.add_argument("--request-rate", type=float,
                         help="Poisson arrivals at this many requests/s (open loop); default: all at once (closed loop)")
     parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per category (ShareGPT chat, HumanEval code)")
@@ -87,7 +92,8 @@ def main(args: argparse.Namespace) -> int:
     rate = f"Poisson {args.request_rate:g} req/s" if args.request_rate else "closed loop"
     requests = "/".join(map(str, report["settings"]["requests_per_level"]))
     lengths = report["settings"]["max_tokens_per_prompt"]
-    title = (f"load test: {args.passes} x {requests} requests x {min(lengths)}-{max(lengths)} tokens per arm at concurrency "
+    exactly = "exactly " if args.fixed_lengths else "up to "
+    title = (f"load test: {args.passes} x {requests} requests x {exactly}{min(lengths)}-{max(lengths)} tokens per arm at concurrency "
              f"{'/'.join(map(str, levels))} (arms alternating), {rate}")
     # piped (a log, a test): wide enough for every column, where rich would assume 80
     Console(width=None if sys.stdout.isatty() else 160).print(table(report, title))
@@ -104,6 +110,10 @@ def main(args: argparse.Namespace) -> int:
         print(noise_summary(report))
     print(f"ITL: {DEFINITIONS['itl_s']}")
     print(f"report: {build.path(OUT)}/loadtest.json, loadtest.png")
+    if report["short_answers"]:
+        print(f"warning: {report['short_answers']} answers ended before their length although min_tokens asked for "
+              "all of it: the server does not hold off its end token (does its model declare min_tokens?), so the arms' "
+              "passes did unequal work; --no-fixed-lengths says so in the settings")
     if report["mismatches"]:
         print(verdict(report))
     if report["errors"]:

@@ -22,10 +22,11 @@ def disputed_outputs(figures: list[dict[str, Any]], expected: dict[int, str]) ->
 
 
 def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], reference: Reference, lengths: list[int],
-                    near_tie: float | None, chunk: int = 1) -> dict[str, Any]:
+                    near_tie: float | None, chunk: int = 1, fixed: bool = False) -> dict[str, Any]:
     """verify's near-tie rule for each disputed output: the reference's greedy answer, or parting
     from it where the reference's top-2 logit margin is <= near_tie (None: measured as verify
-    measures it, over the disputed outputs with verify rounds of `chunk` tokens)."""
+    measures it, over the disputed outputs with verify rounds of `chunk` tokens). `fixed`: the
+    requests sent min_tokens = their length, and the reference holds off its end token as they did."""
     from tqdm import tqdm
 
     from specdeploy.parity import parity_holds
@@ -34,7 +35,8 @@ def judge_near_ties(disputed: list[tuple[int, str]], prompts: list[str], referen
     near_tie, measured = near_tie_limit(reference, answers, max(lengths), chunk, near_tie)
     rows = []
     for index, text in tqdm(disputed, desc="near-tie check", unit="output"):
-        _, result = reference.check(prompts[index], text, lengths[index], complete=False)
+        _, result = reference.check(prompts[index], text, lengths[index], complete=False,
+                                    min_tokens=lengths[index] if fixed else 0)
         rows.append({"prompt": index, "match": result.match, "first_divergence_token": result.first_divergence_token,
                      "margin_at_divergence": result.margin_at_divergence, "ok": parity_holds(result, False, near_tie)})
     margins = [r["margin_at_divergence"] for r in rows if r["margin_at_divergence"] is not None]

@@ -39,16 +39,16 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     tokenizer = load_tokenizer(model_dir)
     prompts = [p.text_input for p in load_prompts(args.prompts, tokenizer)][: args.requests_per_level]
     plan = Sweep(prompts, levels, args.requests_per_level, args.max_tokens, args.request_rate, args.seed, args.passes,
-                 args.length_spread)
+                 args.length_spread, args.fixed_lengths)
     settings = {"concurrency": levels, "requests_per_level": [plan.requests_at(level) for level in levels],
                 "passes": plan.passes, "max_tokens": plan.max_tokens, "length_spread": plan.spread,
-                "max_tokens_per_prompt": plan.lengths, "request_rate": plan.rate, "prompts": len(prompts),
+                "max_tokens_per_prompt": plan.lengths, "fixed_lengths": plan.fixed, "request_rate": plan.rate, "prompts": len(prompts),
                 "seed": plan.seed, "url": args.url, "url_ar": args.url_ar, "near_tie": args.near_tie, "control": args.control}
     rule = parity_rule(deployment["dtype"], read_quant_config(model_dir))
 
     def judge(disputed: list[tuple[int, str]]) -> dict[str, Any]:
         reference = load_reference(model_dir, deployment["dtype"], args.device)
-        return judge_near_ties(disputed, prompts, reference, plan.lengths, args.near_tie, round_tokens(deployment))
+        return judge_near_ties(disputed, prompts, reference, plan.lengths, args.near_tie, round_tokens(deployment), plan.fixed)
 
     twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:
@@ -63,7 +63,8 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
         control = sweep({CONTROL: urls[CONTROL], AR: urls[AR]}, plan, solo=False) if CONTROL in urls else None
         stack.close()  # the servers stop before the judge loads the reference
         report = {"settings": settings, "dtype": deployment["dtype"],
-                  **build_report(results, tokenizer, levels, rule, judge, control, deployment.get("spec_off_above"))}
+                  **build_report(results, tokenizer, levels, rule, judge, control, deployment.get("spec_off_above"),
+                                 plan.lengths if plan.fixed else None)}
         atomic_write_json(tmp / "loadtest.json", report)
         plot(report, tmp / "loadtest.png")
     return report

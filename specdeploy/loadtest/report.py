@@ -20,12 +20,15 @@ Judge = Callable[[list[tuple[int, str]]], dict[str, Any]]
 
 
 def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str, judge: Judge | None = None,
-                 control: Results | None = None, spec_off_above: int | None = None) -> dict[str, Any]:
+                 control: Results | None = None, spec_off_above: int | None = None,
+                 fixed_lengths: list[int] | None = None) -> dict[str, Any]:
     """Rows, per-level figures, the speed-up curve, break-even, pass/fail. Outside the exact rule,
     `judge` rules on the outputs that differ from their solo run (judge_near_ties). `control`: the
     A/A sweep (CONTROL and AR), whose outputs are held to the same rule. `spec_off_above`: the
     deployment's; at the levels above it batches decode plainly, so break-even and the suggestion
-    come from the levels at or below it (the others say nothing of speculating there)."""
+    come from the levels at or below it (the others say nothing of speculating there). `fixed_lengths`:
+    each prompt's length, where the requests asked for exactly that (min_tokens): the answers short
+    of it are counted."""
     rows = _rows(results, tokenizer)
     reference = list(results)[-1]  # the autoregressive arm, when there is one
     solo = rows[reference][min(rows[reference])]  # concurrency 1, or the solo pass (key 0)
@@ -55,6 +58,9 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
     errors = sum(f["errors"] for f in figures) + solo_errors
     mismatches = sum(f["compared"] - f["identical"] for f in figures)
     near_tie = judge(disputed_outputs(figures, expected)) if mismatches and rule != "exact" and judge else None
+    # a server that does not read min_tokens lets answers end at EOS: the arms' passes then did unequal work
+    short = None if fixed_lengths is None else sum(r["tokens"] < fixed_lengths[r["prompt"]] for f in figures
+                                                   for r in f["per_request"] if r["error"] is None)
     return {
         "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
         "solo_reference": rows[reference].get(0),
@@ -63,6 +69,7 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
         "deployment_spec_off_above": spec_off_above,
         "spec_off_above": spec_off_above if suggested is None else suggested,
         "errors": errors, "mismatches": mismatches, "near_tie": near_tie, "control": controls or None,
+        "short_answers": short,
         "ok": errors == 0 and (mismatches == 0 or rule != "exact") and (near_tie is None or near_tie["ok"]),
     }
 

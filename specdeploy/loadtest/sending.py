@@ -43,12 +43,14 @@ class Timed:
     cold: bool = False  # one of the pass's first `concurrency` requests (DEFINITIONS["ttft_steady_s"])
 
 
-def send(client: TritonLLMClient, prompt: int, text: str, max_tokens: int, level_start: float) -> Timed:
+def send(client: TritonLLMClient, prompt: int, text: str, max_tokens: int, level_start: float, fixed: bool) -> Timed:
+    """One request, timed; `fixed`: with min_tokens = max_tokens, an answer of exactly that length."""
     timed = Timed(prompt, time.perf_counter() - level_start)
     sent = time.perf_counter()
     stamp = lambda _: timed.chunk_s.append(time.perf_counter() - sent)  # noqa: E731
+    request = Request(text, max_tokens=max_tokens, min_tokens=max_tokens if fixed else None)
     try:
-        done = client.generate(Request(text, max_tokens=max_tokens), stream=True, on_text=stamp)
+        done = client.generate(request, stream=True, on_text=stamp)
     except Exception as err:  # any failure is this request's counted error; the level goes on
         timed.error = f"{type(err).__name__}: {err}"
         return timed
@@ -57,9 +59,9 @@ def send(client: TritonLLMClient, prompt: int, text: str, max_tokens: int, level
 
 
 def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[int], lengths: list[int],
-              arrivals: list[float]) -> tuple[list[Timed], float]:
+              arrivals: list[float], fixed: bool) -> tuple[list[Timed], float]:
     """One worker per client (the concurrency) takes the requests in order, each no earlier than
-    its arrival time. Returns the requests and the level's wall time."""
+    its arrival time (`fixed`: as `send`). Returns the requests and the level's wall time."""
     jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
     for i in range(len(order)):
         jobs.put(i)
@@ -73,7 +75,7 @@ def run_level(clients: list[TritonLLMClient], prompts: list[str], order: list[in
             except queue.Empty:
                 return
             time.sleep(max(started + arrivals[i] - time.perf_counter(), 0.0))
-            done[i] = send(client, order[i], prompts[order[i]], lengths[order[i]], started)
+            done[i] = send(client, order[i], prompts[order[i]], lengths[order[i]], started, fixed)
 
     threads = [threading.Thread(target=worker, args=(client,), daemon=True) for client in clients]
     for thread in threads:
@@ -100,6 +102,10 @@ class Sweep:
     seed: int = 0
     passes: int = 1
     spread: float = 0.0
+    # every answer exactly its length (min_tokens = max_tokens), as trtllm-bench (--eos_id -1) and GenAI-Perf's
+    # TensorRT-LLM runs (min_tokens) send: an answer that ends at EOS in one pass and runs on in another (a
+    # near-tie in bf16, decided by the batch's shape) would hand the two arms unequal work
+    fixed: bool = True
 
     @property
     def lengths(self) -> list[int]:
@@ -139,14 +145,14 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print,
         reference = list(urls)[-1]
         if solo and plan.needs_solo_pass():
             alone = list(range(len(plan.prompts)))
-            timed, wall = run_level(clients[reference][:1], plan.prompts, alone, plan.lengths, [0.0] * len(alone))
+            timed, wall = run_level(clients[reference][:1], plan.prompts, alone, plan.lengths, [0.0] * len(alone), plan.fixed)
             results[reference][0] = (timed, [wall])
         for n, level in enumerate(plan.levels):
             for p in range(plan.passes):
                 for arm in list(urls)[:: 1 if (n + p) % 2 == 0 else -1]:
                     order = plan.order(level)
                     timed, wall = run_level(clients[arm][:level], plan.prompts, order, plan.lengths,
-                                            arrival_times(len(order), plan.rate, plan.seed))
+                                            arrival_times(len(order), plan.rate, plan.seed), plan.fixed)
                     before, walls = results[arm].get(level, ([], []))
                     results[arm][level] = (before + timed, walls + [wall])
                     say(f"concurrency {level}, pass {p + 1}/{plan.passes}: {arm} done in {wall:.1f} s")

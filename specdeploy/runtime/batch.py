@@ -151,7 +151,8 @@ class InflightBatcher:
             cache = DynamicCache(config=self.target.config)
             logits, row.unseen = prefill(self.target, row.prompt, cache, row.hidden_layers)
             row.metrics.time_to_first_token_s = time.perf_counter() - row.start
-            if row.emit(row.output.take([next_token(logits, row.params, row.generator)])):
+            first = next_token(row.output.hold_off_end(logits[None], [0])[0], row.params, row.generator)
+            if row.emit(row.output.take([first])):
                 self._finish(row)
                 return
         except Exception as err:  # this request's failure (its on_tokens, say): the batch goes on
@@ -358,8 +359,9 @@ class InflightBatcher:
     def _accept(self, i: int, row: Row, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """Row i's accepted tokens and the draft nodes on their path (none for a plain step)."""
         if not len(tree):
-            return [next_token(logits[i, 0], row.params, row.generator)], []
-        acceptance = accept(tree, logits[i, : 1 + len(tree)], row.params, row.generator)
+            return [next_token(row.output.hold_off_end(logits[i, :1], [0])[0], row.params, row.generator)], []
+        rows = row.output.hold_off_end(logits[i, : 1 + len(tree)], [0] + tree.depths())
+        acceptance = accept(tree, rows, row.params, row.generator)
         group, path = acceptance.tokens(tree), acceptance.path
         row.proposer.update(len(path), len(tree))
         return group, path

@@ -89,7 +89,7 @@ class Row:
         self.generator = make_generator(params.seed, device)
         self.max_new = min(params.max_new_tokens, context_length - prompt.shape[1])
         self.output = _Output(self.max_new, eos | set(params.stop_token_ids), params.stop_strings, decode,
-                              request.on_tokens)
+                              request.on_tokens, params.min_tokens)
         self.metrics = seq.metrics = GenerationMetrics(prompt_tokens=prompt.shape[1])
         self.pending = -1  # the emitted token not yet run through the target
         self.consumed = prompt.shape[1]  # tokens in the cache: the pending token's position

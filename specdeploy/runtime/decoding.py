@@ -30,6 +30,8 @@ from specdeploy.runtime.types import (
 from specdeploy.runtime.verify import Acceptance, accept, is_chain, tree_attention_mask, tree_position_ids
 
 Hidden = dict[int, torch.Tensor]
+# the logits (rows, vocab) of the answer's next positions, each row so many tokens after the next one -> as chosen from
+HoldOff = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 # Chains: verifying up to ~8 tokens costs about one bf16 decode step on a CPU with native bf16; 1.2-1.4
 # float32 steps on an AVX2-only AMD CPU with MKL_CBWR=AVX2 (docs/measurements.md, 2026-11-22 and
@@ -83,10 +85,12 @@ def decode_one_token(
     params: SamplingParams,
     generator: torch.Generator | None,
     hidden_layers: tuple[int, ...] = (),
+    hold_off: HoldOff | None = None,
 ) -> tuple[int, Hidden]:
-    """Run the pending token; the next token."""
+    """Run the pending token; the next token (`hold_off`: _Output.hold_off_end, for min_tokens)."""
     logits, hidden = _forward(model, torch.tensor([[token]], device=model_device(model)), cache, hidden_layers)
-    return next_token(logits[-1], params, generator), hidden
+    logits = logits[-1:] if hold_off is None else hold_off(logits[-1:], [0])
+    return next_token(logits[0], params, generator), hidden
 
 
 def speculative_decode(
@@ -97,6 +101,7 @@ def speculative_decode(
     params: SamplingParams,
     generator: torch.Generator | None,
     hidden_layers: tuple[int, ...] = (),
+    hold_off: HoldOff | None = None,
 ) -> tuple[Acceptance, Hidden]:
     """One round: verify the pending token + `tree` in one forward, accept a path, trim the cache."""
     prefix_len = cache.get_seq_length()
@@ -109,6 +114,8 @@ def speculative_decode(
         mask = tree_attention_mask(tree.parents, prefix_len, model.dtype, device)
         positions = tree_position_ids(tree, prefix_len, device)
         logits, hidden = _forward(model, input_ids, cache, hidden_layers, attention_mask=mask, position_ids=positions)
+    if hold_off is not None:
+        logits = hold_off(logits, [0] + tree.depths())
     acceptance = accept(tree, logits, params, generator)
     keep_path(cache, prefix_len, acceptance.path)
     rows = [0] + [node + 1 for node in acceptance.path]
@@ -137,10 +144,12 @@ class _Output:
         stop_strings: tuple[str, ...],
         decode: Callable[[list[int]], str] | None,
         on_tokens: Callable[[list[int]], None] | None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.max_new_tokens = max_new_tokens
+        self.min_tokens = min_tokens
         self.stop_ids = stop_ids
         self.stop_strings = stop_strings
         self.decode = decode
@@ -157,6 +166,18 @@ class _Output:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def hold_off_end(self, logits: torch.Tensor, depths: list[int]) -> torch.Tensor:
+        """`logits` (rows, vocab) of the answer's next positions (row r: `depths[r]` tokens after the
+        next one) with the stop ids' logits at -inf where choosing one would end the answer short of
+        min_tokens; the same tensor when none would."""
+        short = [row for row, depth in enumerate(depths) if len(self.tokens) + depth + 1 < self.min_tokens]
+        ids = sorted(i for i in self.stop_ids if i < logits.shape[-1]) if short else []
+        if not ids:
+            return logits
+        held = logits.clone()
+        held[torch.tensor(short, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)] = float("-inf")
+        return held
 
     def take(self, group: list[int]) -> list[int]:
         """Append `group` up to its first stop (which ends generation); the tokens taken. A round's
@@ -245,7 +266,7 @@ def generate(
     generator = make_generator(params.seed, device)
     stop_ids = eos_token_ids(target) | set(params.stop_token_ids)
     max_new = min(params.max_new_tokens, context_length - prompt.shape[1])
-    output = _Output(max_new, stop_ids, params.stop_strings, decode, on_tokens)
+    output = _Output(max_new, stop_ids, params.stop_strings, decode, on_tokens, params.min_tokens)
     metrics = GenerationMetrics(prompt_tokens=prompt.shape[1])
     if proposer is not None:
         proposer.reset()
@@ -254,7 +275,7 @@ def generate(
     with torch.inference_mode():
         cache = DynamicCache(config=target.config)
         logits, unseen = prefill(target, prompt, cache, hidden_layers)
-        pending = next_token(logits, params, generator)
+        pending = next_token(output.hold_off_end(logits[None], [0])[0], params, generator)
         metrics.time_to_first_token_s = time.perf_counter() - start
         done = output.extend([pending])
         while not done:
@@ -268,11 +289,12 @@ def generate(
                 tree = prune(tree, max_draft, max_new - len(output.tokens) - 1)
                 unseen = {}
             if len(tree):
-                acceptance, hidden = speculative_decode(target, pending, tree, cache, params, generator, hidden_layers)
+                acceptance, hidden = speculative_decode(target, pending, tree, cache, params, generator, hidden_layers,
+                                                        output.hold_off_end)
                 group, accepted = acceptance.tokens(tree), len(acceptance.path)
                 proposer.update(accepted, len(tree))
             else:
-                token, hidden = decode_one_token(target, pending, cache, params, generator, hidden_layers)
+                token, hidden = decode_one_token(target, pending, cache, params, generator, hidden_layers, output.hold_off_end)
                 group, accepted = [token], 0
             # a proposer sees the states of every token consumed since it last proposed
             unseen = {layer: torch.cat([unseen[layer], h], dim=1) if layer in unseen else h for layer, h in hidden.items()}

@@ -29,6 +29,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    # TensorRT-LLM's min_tokens: the answer has at least this many tokens, a final end token counted
+    # (0 and 1 change nothing); until then no token that would end it by id can be chosen
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +49,9 @@ class SamplingParams:
             raise SpecDeployError(f"top_k must be >= 0, got {self.top_k}", hint="use 0 to disable top-k")
         if not 0.0 < self.top_p <= 1.0:
             raise SpecDeployError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1.0 to disable top-p")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise SpecDeployError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+                                  hint="0 leaves the answer's length to its end token")
         if "" in self.stop_strings:  # every text contains "": the answer would stop at its first token
             raise SpecDeployError("a stop string is empty", hint="leave it out")
 

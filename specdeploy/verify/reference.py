@@ -46,10 +46,13 @@ class Reference(NamedTuple):
 
         return torch.tensor([text_ids(self.tokenizer, text)], device=model_device(self.model))
 
-    def check(self, prompt: str, served: str, max_new_tokens: int, *, complete: bool = True) -> tuple[Greedy, ParityResult]:
+    def check(self, prompt: str, served: str, max_new_tokens: int, *, complete: bool = True,
+              min_tokens: int = 0) -> tuple[Greedy, ParityResult]:
         """The greedy reference for `prompt`, checked along the served answer (parity.hf_reference;
-        `complete` False stops where they part), and how the served answer compares with it."""
-        ref = hf_reference(self.model, self.tokenizer, self.ids(prompt), max_new_tokens, guess=served, complete=complete)
+        `complete` False stops where they part; `min_tokens` as the request sent it), and how the
+        served answer compares with it."""
+        ref = hf_reference(self.model, self.tokenizer, self.ids(prompt), max_new_tokens, guess=served, complete=complete,
+                           min_tokens=min_tokens)
         return ref, compare(prompt, ref, served, self.tokenizer)
 
 

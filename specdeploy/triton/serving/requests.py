@@ -50,7 +50,6 @@ NEUTRAL = {
     "beam_width": lambda v: v == 1, "num_return_sequences": lambda v: v == 1,
     "repetition_penalty": lambda v: v == 1.0, "presence_penalty": lambda v: v == 0.0,
     "frequency_penalty": lambda v: v == 0.0, "runtime_top_p_decay": lambda v: v == 1.0,
-    "min_tokens": lambda v: 0 <= v <= 1,  # TensorRT-LLM's default 1: one token is always generated
     "return_log_probs": lambda v: not v, "return_context_logits": lambda v: not v,
     "return_generation_logits": lambda v: not v,
 }
@@ -221,6 +220,7 @@ class RequestReader:
             seed=int(inputs.scalar("seed", 0)) & ((1 << 63) - 1),  # TRT-LLM's default seed is 0
             stop_token_ids=(() if end_id is None else (end_id,)) + stop_ids,
             stop_strings=stop_strings,
+            min_tokens=max(int(inputs.scalar("min_tokens", 0)), 0),  # TensorRT-LLM: values < 1 have no effect
         )
         params.validate()  # SpecDeployError: a clear message for the client
         return params
