@@ -108,13 +108,34 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of an HF checkpoint folder: the shards its model.safetensors.index.json
+    names, else model.safetensors, else every *.safetensors. A folder may hold other weights beside
+    the checkpoint (Mistral's repositories ship consolidated.safetensors, another layout of the same
+    model): transformers reads only the index's shards, and so does this."""
+    from specdeploy.errors import SpecDeployError
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [file.name for file in files if not file.exists()]
+        if missing:
+            raise SpecDeployError(f"{index} names shards that are not there: {', '.join(missing)}",
+                                  hint="copy the whole checkpoint folder")
+        return files
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def load_safetensors_dir(path: str | os.PathLike, hint: str) -> dict[str, Any]:
-    """Every tensor of every *.safetensors file in a folder (an HF checkpoint, sharded or not)."""
+    """Every tensor of an HF checkpoint folder (`checkpoint_files`)."""
     from safetensors.torch import load_file
 
     from specdeploy.errors import SpecDeployError
 
-    files = sorted(Path(path).glob("*.safetensors"))
+    files = checkpoint_files(path)
     if not files:
         raise SpecDeployError(f"no *.safetensors in {path}", hint=hint)
     tensors: dict[str, Any] = {}

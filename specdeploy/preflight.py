@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import checkpoint_files
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +28,9 @@ BUDGET_ENV = "SPECDEPLOY_MEMORY_BUDGET_GIB"
 
 
 def parameter_count(model_dir: str | os.PathLike) -> int:
-    """Number of weight elements in a folder's *.safetensors files, read from their headers."""
+    """Number of weight elements in a checkpoint folder's weight files, read from their headers."""
     total = 0
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
+    for file in checkpoint_files(model_dir):
         with open(file, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))

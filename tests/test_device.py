@@ -67,6 +67,13 @@ def test_parameter_count_reads_safetensors_headers(tmp_path):
     assert preflight.weights_bytes(folder, "bfloat16") == 25 * 2
 
 
+def test_parameter_count_reads_the_checkpoints_own_files(tmp_path):
+    """Not Mistral's consolidated.safetensors beside model.safetensors: the same model counted twice."""
+    folder = _weights(tmp_path / "m", [(6, 4)])
+    save_file({"layers.0.attention.wq.weight": torch.zeros(6, 4)}, str(folder / "consolidated.safetensors"))
+    assert preflight.parameter_count(folder) == 24
+
+
 def test_preflight_refuses_over_budget_naming_the_options(monkeypatch):
     monkeypatch.setenv(preflight.BUDGET_ENV, "1")
     plan = preflight.MemoryPlan("calibration", {"weights": 3 * preflight.GiB, "activations": preflight.GiB // 2})

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from specdeploy.choices import parse_choices, validate_choices
 from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import load_safetensors_dir
 from specdeploy.manifest import BuildDir
 
 
@@ -166,3 +169,23 @@ def test_cli_help_lists_every_stage():
     out = subprocess.run([sys.executable, "-m", "specdeploy", "--help"], capture_output=True, text=True, check=True)
     for command in ("engine", "resolve", "quantize", "convert", "build", "package", "serve", "verify", "bench"):
         assert command in out.stdout
+
+
+def test_a_checkpoint_folder_loads_the_shards_its_index_names_not_every_safetensors(tmp_path):
+    """Mistral's repositories ship consolidated.safetensors (the same model in another layout) beside
+    the HF shards: only the checkpoint's own tensors load, as transformers reads them."""
+    from safetensors.torch import save_file
+
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2)}, str(tmp_path / "consolidated.safetensors"))
+    save_file({"model.embed_tokens.weight": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    assert list(load_safetensors_dir(tmp_path, hint="-")) == ["model.embed_tokens.weight"]
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"lm_head.weight": torch.ones(2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert sorted(load_safetensors_dir(tmp_path, hint="-")) == ["lm_head.weight", "model.embed_tokens.weight"]
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(SpecDeployError, match="names shards that are not there: model-00002-of-00002"):
+        load_safetensors_dir(tmp_path, hint="-")
+
