@@ -48,7 +48,7 @@ class Request:
     random_seed: int | None = None
     end_id: int | None = None
     pad_id: int | None = None
-    min_tokens: int | None = None  # TensorRT-LLM's: no end token before the answer has this many tokens
+    min_tokens: int | None = None  # TensorRT-LLM's: no end token until the answer has this many tokens
     stop_words: list[str] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)
     return_perf_metrics: bool = True
@@ -339,7 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, help="top-p sampling (0 or less: unset)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--min-tokens", type=int,
-                        help="no end token before the answer has this many tokens (TensorRT-LLM's min_tokens; with "
+                        help="no end token until the answer has this many tokens (TensorRT-LLM's min_tokens; with "
                              "--max-tokens the same: answers of exactly that length, as benchmarks send)")
     parser.add_argument("--stop-word", action="append", default=[], help="repeatable")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the whole answer; then the request is cancelled")

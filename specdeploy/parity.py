@@ -60,8 +60,8 @@ def hf_reference(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int
     choice, takes its own choice where they part, and then generates on (`complete`) or stops
     there (enough to place the divergence). Wherever no position sits at a rounding-level tie,
     this is token for token what generate() returns, for one forward when the guess is right
-    instead of one per token. `min_tokens`: TensorRT-LLM's (no end token before the answer has that
-    many tokens, the end token counted), i.e. generate()'s min_new_tokens one fewer.
+    instead of one per token. `min_tokens`: TensorRT-LLM's, generate()'s min_new_tokens (no end token
+    until the answer has that many).
     """
     eos = eos_token_ids(model)  # what generate() stops at
     tokens: list[int] = []
@@ -72,7 +72,7 @@ def hf_reference(model, tokenizer, prompt_ids: torch.Tensor, max_new_tokens: int
     if complete and not finished:
         prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
         more, more_margins = _generate(model, tokenizer, prefix, max_new_tokens - len(tokens),
-                                       min_new_tokens=max(min_tokens - 1 - len(tokens), 0))
+                                       min_new_tokens=max(min_tokens - len(tokens), 0))
         tokens, margins = tokens + more, margins + more_margins
     return Reference(tokens, tokenizer.decode(tokens, skip_special_tokens=True), margins)
 
@@ -92,7 +92,7 @@ def _along_guess(model, tokenizer, prompt_ids: torch.Tensor, guess: str, max_new
         guessed = [] if midway else \
             tokenizer(guess[len(written):], add_special_tokens=False)["input_ids"][:max_new_tokens - len(tokens)]
         prefix = torch.cat([prompt_ids, torch.tensor([tokens], dtype=prompt_ids.dtype, device=prompt_ids.device)], dim=1)
-        path, path_margins = greedy_path(model, prefix, guessed, eos, held=max(min_tokens - 1 - len(tokens), 0))
+        path, path_margins = greedy_path(model, prefix, guessed, eos, held=max(min_tokens - len(tokens), 0))
         tokens, margins = tokens + path, margins + path_margins
         if path[-1] in eos or not midway and len(path) > len(guessed):
             break  # an end token, or past the guess's end
@@ -117,7 +117,7 @@ def greedy_path(model, prompt_ids: torch.Tensor, guessed: list[int], eos: set[in
     ids = torch.cat([prompt_ids, guess_ids], dim=1)
     logits = model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=len(guessed) + 1).logits[0]
     tokens, margins = [], []
-    ends = torch.tensor(sorted(i for i in eos if i < logits.shape[-1]), dtype=torch.long, device=logits.device)
+    ends = torch.tensor(sorted(i for i in eos if 0 <= i < logits.shape[-1]), dtype=torch.long, device=logits.device)
     for position, (scores, token) in enumerate(zip(logits, guessed + [None])):
         if position < held:
             scores = scores.index_fill(0, ends, float("-inf"))

@@ -129,6 +129,21 @@ def test_a_level_with_failed_requests_measures_no_speedup_and_moves_no_break_eve
     assert report["errors"] == 2 and not report["ok"]
 
 
+def test_answers_short_of_a_fixed_length_are_counted_the_solo_pass_too(tiny_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = "def add(a, b):\n    return a + b\n"
+    tokens = count_tokens(tokenizer, text)
+
+    def answer(perf_tokens: int) -> Timed:  # the server's own count of what it emitted
+        perf = {"total_generated_tokens": perf_tokens, "total_target_forwards": perf_tokens - 1}
+        return Timed(0, 0.0, latency_s=0.5, chunk_s=[0.1], chunks=[text], perf=perf)
+
+    solo = ([answer(tokens - 3)], [1.0])  # key 0: the solo pass, the outputs' reference
+    results = {SPEC: {2: ([answer(tokens), answer(tokens - 1)], [1.0])}, AR: {0: solo, 2: ([answer(tokens)] * 2, [1.0])}}
+    assert build_report(results, tokenizer, [2], "exact", fixed_lengths=[tokens])["short_answers"] == 2
+    assert build_report(results, tokenizer, [2], "exact")["short_answers"] is None
+
+
 def test_every_prompts_solo_output_comes_from_a_pass_of_its_own_where_concurrency_1_leaves_one_out(tiny_tokenizer_dir):
     prompts = [f"prompt {i}" for i in range(10)]
     assert Sweep(prompts, [1, 4], None, 8).needs_solo_pass()  # concurrency 1 sends 8 requests: prompts 0-7
@@ -281,7 +296,7 @@ def test_the_near_tie_judge_holds_off_the_end_as_fixed_length_requests_did(tiny_
     reference = load_reference(tiny_llama_dir, "float32", "cpu")
     prompts = ["def add(a, b):"]
     ids = reference.ids(prompts[0])
-    out = reference.model.generate(ids, max_new_tokens=20, min_new_tokens=19, do_sample=False)
+    out = reference.model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     served = reference.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert hf_reference(reference.model, reference.tokenizer, ids, 20).token_ids[-1] in eos_token_ids(reference.model)
     fixed = judge_near_ties([(0, served)], prompts, reference, [20], near_tie=0.0, fixed=True)

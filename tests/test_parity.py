@@ -93,18 +93,22 @@ def test_a_guess_that_does_not_retokenize_to_the_served_tokens_still_gives_gener
     assert stopped.token_ids == generated.token_ids and compare("p", stopped, generated.text, tokenizer).match
 
 
+@pytest.mark.parametrize("min_tokens", [12, 20])
 @pytest.mark.parametrize("guessed", [False, True])
-def test_min_tokens_holds_the_reference_as_generates_min_new_tokens(tiny_llama_dir, guessed):
-    """The tiny model ends at token 12 (EOS); asked for min_tokens 20 (TensorRT-LLM's: 20 tokens, the
-    end counted), the reference is generate()'s with min_new_tokens 19, margins taken as its scores
-    are (the EOS held off), whether generated or checked along the served text, which then matches."""
+def test_min_tokens_holds_the_reference_as_generates_min_new_tokens(tiny_llama_dir, guessed, min_tokens):
+    """The tiny model ends at its 12th token (EOS); asked for min_tokens 12 or 20, the reference is
+    generate()'s with that min_new_tokens, margins taken as its scores are (the EOS held off), whether
+    generated or checked along the served text, which then matches."""
     model, tokenizer, prompt_ids = _tiny(tiny_llama_dir)
-    out = model.generate(prompt_ids, max_new_tokens=24, min_new_tokens=19, do_sample=False, output_scores=True,
+    eos = model.generation_config.eos_token_id
+    assert hf_reference(model, tokenizer, prompt_ids, max_new_tokens=24).token_ids.index(eos) == 11
+    out = model.generate(prompt_ids, max_new_tokens=24, min_new_tokens=min_tokens, do_sample=False, output_scores=True,
                          return_dict_in_generate=True)
     expected = out.sequences[0, prompt_ids.shape[1]:].tolist()
-    assert len(expected) > 19 and model.generation_config.eos_token_id not in expected[:19]
+    assert len(expected) > min_tokens and eos not in expected[:min_tokens]
     text = tokenizer.decode(expected, skip_special_tokens=True)
-    ref = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=24, guess=text if guessed else None, min_tokens=20)
+    ref = hf_reference(model, tokenizer, prompt_ids, max_new_tokens=24, guess=text if guessed else None,
+                       min_tokens=min_tokens)
     assert ref.token_ids == expected and compare("p", ref, text, tokenizer).match
     top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values  # one forward against cached steps: float32 rounding
     assert ref.margins == pytest.approx((top2[:, 0] - top2[:, 1]).tolist(), rel=1e-4, abs=1e-4)

@@ -54,17 +54,17 @@ def test_eos_stops_like_transformers(target, tokenizer):
     assert result.token_ids == ref_eos and ref_eos[-1] == eos and result.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("min_tokens", [0, 1, 9, 14, 30])
+@pytest.mark.parametrize("min_tokens", [0, 1, 7, 8, 9, 14, 30])
 def test_min_tokens_holds_off_the_end_as_transformers_min_new_tokens(target, tokenizer, min_tokens):
-    """TensorRT-LLM's min_tokens N (an answer of at least N tokens, its end token counted) is
-    transformers' min_new_tokens N - 1 (the end token masked until N - 1 others came): plain,
-    speculative (the target drafting for itself proposes the end token the mask then refuses) and
-    in-flight batched, beside a request without it."""
+    """TensorRT-LLM's min_tokens N (its penalty kernel masks the end id while fewer than N tokens were
+    generated, the end token never counted) is transformers' min_new_tokens N: plain, speculative (the
+    target drafting for itself proposes the end token the mask then refuses) and in-flight batched,
+    beside a request without it."""
     ids = tokenizer(PROMPTS[2])["input_ids"]
     eos = hf_greedy(target, ids, 30)[7]
     target.generation_config.eos_token_id = eos
     try:
-        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, min_new_tokens=max(min_tokens - 1, 0))
+        out = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, min_new_tokens=min_tokens)
         expected = out[0, len(ids):].tolist()
         params = SamplingParams(max_new_tokens=30, min_tokens=min_tokens)
         results = [generate(target, ids, params, proposer, adaptive=False).token_ids
@@ -77,9 +77,19 @@ def test_min_tokens_holds_off_the_end_as_transformers_min_new_tokens(target, tok
     finally:
         target.generation_config.eos_token_id = target.config.eos_token_id
     assert plain[-1] == eos and len(plain) == 8  # the answer ends early without min_tokens
-    assert len(expected) == max(min_tokens, 8) or len(expected) == 30
+    assert eos not in expected[:min_tokens] and len(expected) > min(min_tokens, 29)
     assert results == [expected, expected]
     assert [seq.result.token_ids for seq in seqs] == [expected, plain]
+
+
+def test_min_tokens_holds_off_only_stop_ids_in_the_vocabulary(target, tokenizer):
+    """A negative stop id names no token (an index of -k would mask the k-th from the end)."""
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    plain = hf_greedy(target, ids, 12)
+    vocab = target.config.vocab_size
+    tail = plain[3] - vocab  # the same token counted from the end
+    params = SamplingParams(max_new_tokens=12, min_tokens=12, stop_token_ids=(tail,))
+    assert generate(target, ids, params).token_ids == plain
 
 
 def test_min_tokens_below_zero_is_refused():

@@ -112,8 +112,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"report: {build.path(OUT)}/loadtest.json, loadtest.png")
     if report["short_answers"]:
         print(f"warning: {report['short_answers']} answers ended before their length although min_tokens asked for "
-              "all of it: the server does not hold off its end token (does its model declare min_tokens?), so the arms' "
-              "passes did unequal work; --no-fixed-lengths says so in the settings")
+              "all of it (a server that does not read min_tokens, a stop word, or a count re-tokenized from text where "
+              "the server sends none): the arms' passes may have done unequal work")
     if report["mismatches"]:
         print(verdict(report))
     if report["errors"]:

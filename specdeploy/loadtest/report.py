@@ -59,8 +59,9 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
     mismatches = sum(f["compared"] - f["identical"] for f in figures)
     near_tie = judge(disputed_outputs(figures, expected)) if mismatches and rule != "exact" and judge else None
     # a server that does not read min_tokens lets answers end at EOS: the arms' passes then did unequal work
-    short = None if fixed_lengths is None else sum(r["tokens"] < fixed_lengths[r["prompt"]] for f in figures
-                                                   for r in f["per_request"] if r["error"] is None)
+    answered = [r for f in figures for r in f["per_request"]] + (rows[reference].get(0) or [])
+    short = None if fixed_lengths is None else sum(r["tokens"] < fixed_lengths[r["prompt"]] for r in answered
+                                                   if r["error"] is None)
     return {
         "arms": list(results), "parity_rule": rule, "definitions": DEFINITIONS, "levels": report_levels,
         "solo_reference": rows[reference].get(0),

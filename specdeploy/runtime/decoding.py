@@ -30,7 +30,7 @@ from specdeploy.runtime.types import (
 from specdeploy.runtime.verify import Acceptance, accept, is_chain, tree_attention_mask, tree_position_ids
 
 Hidden = dict[int, torch.Tensor]
-# the logits (rows, vocab) of the answer's next positions, each row so many tokens after the next one -> as chosen from
+# (logits of the answer's next positions, each row's depth past the next token) -> the logits to choose from
 HoldOff = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 # Chains: verifying up to ~8 tokens costs about one bf16 decode step on a CPU with native bf16; 1.2-1.4
@@ -169,10 +169,10 @@ class _Output:
 
     def hold_off_end(self, logits: torch.Tensor, depths: list[int]) -> torch.Tensor:
         """`logits` (rows, vocab) of the answer's next positions (row r: `depths[r]` tokens after the
-        next one) with the stop ids' logits at -inf where choosing one would end the answer short of
-        min_tokens; the same tensor when none would."""
-        short = [row for row, depth in enumerate(depths) if len(self.tokens) + depth + 1 < self.min_tokens]
-        ids = sorted(i for i in self.stop_ids if i < logits.shape[-1]) if short else []
+        next one) with the stop ids' logits at -inf where fewer than min_tokens tokens come before it;
+        the same tensor where none do."""
+        short = [row for row, depth in enumerate(depths) if len(self.tokens) + depth < self.min_tokens]
+        ids = sorted(i for i in self.stop_ids if 0 <= i < logits.shape[-1]) if short else []
         if not ids:
             return logits
         held = logits.clone()

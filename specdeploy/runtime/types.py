@@ -29,8 +29,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
-    # TensorRT-LLM's min_tokens: the answer has at least this many tokens, a final end token counted
-    # (0 and 1 change nothing); until then no token that would end it by id can be chosen
+    # TensorRT-LLM's min_tokens (transformers' min_new_tokens): no token that would end the answer by id
+    # can be chosen before it has this many; 0 holds nothing off
     min_tokens: int = 0
 
     @property

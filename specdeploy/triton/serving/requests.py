@@ -2,8 +2,9 @@
 
 Requests mean what they mean to TensorRT-LLM's C++ backend (tensorrtllm_backend's utils.cc and
 the top-k kernel it feeds): top_p <= 0 and top_k 0 are "off", neither on (or top_k 1) is greedy
-whatever the temperature, the seed defaults to 0, min_tokens 1, temperature 1.0, an unset
-exclude_input_in_output takes the config parameter, and knobs that only act in beam search
+whatever the temperature, the seed defaults to 0, temperature 1.0, an unset
+exclude_input_in_output takes the config parameter, min_tokens holds the end tokens off (unset:
+nothing, where TensorRT-LLM documents a default of 1), and knobs that only act in beam search
 (length penalty, early stopping, diversity rate) change nothing at beam_width 1. Anything else
 the runtime does not implement is refused with a clear error (BadRequest), never ignored.
 """
@@ -220,7 +221,9 @@ class RequestReader:
             seed=int(inputs.scalar("seed", 0)) & ((1 << 63) - 1),  # TRT-LLM's default seed is 0
             stop_token_ids=(() if end_id is None else (end_id,)) + stop_ids,
             stop_strings=stop_strings,
-            min_tokens=max(int(inputs.scalar("min_tokens", 0)), 0),  # TensorRT-LLM: values < 1 have no effect
+            # TensorRT-LLM's sampling parameters: "Values < 1 have no effect", and a C++ default of 1 (no end
+            # token first); unset here holds nothing off, as the verify reference does not
+            min_tokens=max(int(inputs.scalar("min_tokens", 0)), 0),
         )
         params.validate()  # SpecDeployError: a clear message for the client
         return params
