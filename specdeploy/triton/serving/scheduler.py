@@ -141,12 +141,20 @@ class Scheduler:
         self.metrics.round(before, self.batcher.stats)
 
     def _reset(self, err: Exception) -> None:
-        """The batch failed as a whole: every request in it gets the error, a fresh batcher goes on."""
+        """The batch failed as a whole: every request in it gets the error, a fresh batcher goes on.
+        Where no fresh one can be made, the old one does, its failed sequences cancelled: this thread
+        must outlive any failure, or every later request would wait for an answer forever."""
         pb_utils.Logger.log_error(f"specdeploy tensorrt_llm: {traceback.format_exc()}")
-        for entry in self.live:
+        failed, self.live = self.live, []
+        for entry in failed:
             self._answer(entry, "error", error=f"internal error in the specdeploy runtime: {type(err).__name__}: {err}")
-        self.live = []
-        self.batcher = self.decoder.batcher(max_batch_size=self.max_batch_size)
+        try:
+            self.batcher = self.decoder.batcher(max_batch_size=self.max_batch_size)
+        except Exception:
+            pb_utils.Logger.log_error(f"specdeploy tensorrt_llm: no fresh batch, the old one goes on: {traceback.format_exc()}")
+            for entry in failed:
+                if entry.seq is not None:
+                    self.batcher.cancel(entry.seq)
 
     def _finish(self, entry: Entry) -> None:
         try:
