@@ -109,13 +109,16 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
-    """The weight files of an HF checkpoint folder: the shards its model.safetensors.index.json
-    names, else model.safetensors, else every *.safetensors. A folder may hold other weights beside
-    the checkpoint (Mistral's repositories ship consolidated.safetensors, another layout of the same
-    model): transformers reads only the index's shards, and so does this."""
+    """The weight files of an HF checkpoint folder, in transformers' order: model.safetensors, else
+    the shards its model.safetensors.index.json names; none where it has neither. A folder may hold
+    other weights beside the checkpoint (Mistral's repositories ship consolidated.safetensors, the
+    same model in another layout; a re-save in the other layout leaves the old index or file behind):
+    transformers reads only these, and so does every reader here."""
     from specdeploy.errors import SpecDeployError
 
     folder = Path(path)
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
@@ -124,9 +127,7 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
             raise SpecDeployError(f"{index} names shards that are not there: {', '.join(missing)}",
                                   hint="copy the whole checkpoint folder")
         return files
-    if (folder / "model.safetensors").exists():
-        return [folder / "model.safetensors"]
-    return sorted(folder.glob("*.safetensors"))
+    return []
 
 
 def load_safetensors_dir(path: str | os.PathLike, hint: str) -> dict[str, Any]:
@@ -137,7 +138,7 @@ def load_safetensors_dir(path: str | os.PathLike, hint: str) -> dict[str, Any]:
 
     files = checkpoint_files(path)
     if not files:
-        raise SpecDeployError(f"no *.safetensors in {path}", hint=hint)
+        raise SpecDeployError(f"no model.safetensors (or model.safetensors.index.json) in {path}", hint=hint)
     tensors: dict[str, Any] = {}
     for file in files:
         tensors.update(load_file(str(file)))
@@ -151,16 +152,18 @@ def cache_dir() -> Path:
 
 
 def cached_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's content, computed once and remembered by (path, size, mtime_ns).
+    """sha256 of a file's content, computed once and remembered by (path, size, mtime_ns, ctime_ns, inode).
 
     Caches and completion checks are keyed on content, never on sizes: two fine-tunes of one
     architecture have identical sizes. Rehashing a 16 GB checkpoint on every run would cost
-    minutes, so the digest is kept in $SPECDEPLOY_CACHE/hashes/ and recomputed when the file's
-    size or modification time changes (a rewrite always changes one of them in practice).
+    minutes, so the digest is kept in $SPECDEPLOY_CACHE/hashes/ and recomputed when any of those
+    change. The change time too: `cp -p`, `tar x` and `rsync -t` restore a modification time, and a
+    freed inode number is reused at once, but no writer can set ctime back.
     """
     path = Path(path).resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}".encode()).hexdigest()
+    stamp = (path, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+    key = hashlib.sha256("\0".join(map(str, stamp)).encode()).hexdigest()
     memo = cache_dir() / "hashes" / key[:2] / key
     try:
         digest = memo.read_text().strip()

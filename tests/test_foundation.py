@@ -185,7 +185,14 @@ def test_a_checkpoint_folder_loads_the_shards_its_index_names_not_every_safetens
                             "lm_head.weight": "model-00002-of-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     assert sorted(load_safetensors_dir(tmp_path, hint="-")) == ["lm_head.weight", "model.embed_tokens.weight"]
+    # an unsharded re-save leaves the old index behind: transformers reads model.safetensors first
+    save_file({"model.norm.weight": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    assert list(load_safetensors_dir(tmp_path, hint="-")) == ["model.norm.weight"]
+    (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(SpecDeployError, match="names shards that are not there: model-00002-of-00002"):
+        load_safetensors_dir(tmp_path, hint="-")
+    (tmp_path / "model.safetensors.index.json").unlink()  # consolidated.safetensors and a stray shard: no checkpoint
+    with pytest.raises(SpecDeployError, match="no model.safetensors"):
         load_safetensors_dir(tmp_path, hint="-")
 

@@ -73,6 +73,26 @@ def test_pickle_refused_unless_allowed(tiny_llama_dir, tmp_path, cache):
     assert torch.equal(a(ids).logits, b(ids).logits)
 
 
+def test_a_folder_is_resolved_by_its_checkpoint_not_every_safetensors(tiny_llama_dir, tmp_path, cache):
+    """Mistral's layout (consolidated.safetensors) beside the HF checkpoint stays out of base/ (and of
+    the TensorRT-LLM bf16 folder); alone, it is no checkpoint transformers loads: refused at resolve."""
+    from safetensors.torch import save_file
+
+    from specdeploy.resolve import stage as resolve_stage
+    from specdeploy.trtllm.half_folder import write_half
+
+    folder = shutil.copytree(tiny_llama_dir, tmp_path / "mistral-like")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4)}, str(folder / "consolidated.safetensors"))
+    build = BuildDir(tmp_path / "build")
+    base = resolve_stage.run(build, str(folder))
+    assert sorted(p.name for p in base.glob("*.safetensors")) == ["model.safetensors"]
+    half = write_half(folder, tmp_path / "half")
+    assert sorted(p.name for p in half.glob("*.safetensors")) == ["model.safetensors"]
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(SpecDeployError, match="no model.safetensors or model.safetensors.index.json"):
+        resolve.resolve_model_dir(str(folder))
+
+
 def test_pickle_conversion_is_keyed_on_content(tiny_llama_dir, tmp_path, cache):
     """The same files elsewhere reuse the conversion; new weights (same size) convert anew."""
     folder = _pickle_folder(tiny_llama_dir, tmp_path / "pickled")

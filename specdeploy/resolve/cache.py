@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from specdeploy.fileio import cache_dir, share_written
+from specdeploy.errors import SpecDeployError
+from specdeploy.fileio import cache_dir, checkpoint_files, share_written
 
 
 @contextmanager
@@ -41,4 +42,7 @@ def publish_dir(tmp: Path, final: Path) -> Path:
 
 
 def is_complete_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    try:
+        return (path / "config.json").is_file() and bool(checkpoint_files(path))
+    except SpecDeployError:  # an index naming a shard that is not there
+        return False

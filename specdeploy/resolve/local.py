@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import cache_dir, content_fingerprint
+from specdeploy.fileio import cache_dir, checkpoint_files, content_fingerprint
 from specdeploy.resolve.bundled import ACCEPTED_FORMS
 from specdeploy.resolve.cache import is_complete_hf_dir, locked, publish_dir
 
@@ -38,11 +38,17 @@ def _check_remote_code(folder: Path, trust_remote_code: bool) -> None:
 
 
 def _check_safetensors(folder: Path) -> None:
-    """Each weights file's header, read now (it is small): a truncated or unfinished download
-    fails here with its name, not as a struct error stages later."""
+    """The checkpoint's weight files (fileio.checkpoint_files; a shard its index names that is
+    missing fails here) and each one's header, read now (it is small): a truncated or unfinished
+    download fails here with its name, not as a struct error stages later. Other *.safetensors
+    alone (Mistral's consolidated.safetensors) are no checkpoint transformers loads."""
     from safetensors import safe_open
 
-    for path in sorted(folder.glob("*.safetensors")):
+    files = checkpoint_files(folder)
+    if not files:
+        raise SpecDeployError(f"{folder} has *.safetensors but no model.safetensors or model.safetensors.index.json",
+                              hint="pass the model's Hugging Face folder (consolidated.safetensors is another layout)")
+    for path in files:
         try:
             with safe_open(str(path), framework="pt") as weights:
                 weights.keys()

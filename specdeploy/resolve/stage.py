@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specdeploy.checkpoints.hf import load_tokenizer
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import carry_file, content_fingerprint
+from specdeploy.fileio import cached_sha256, carry_file, checkpoint_files
 from specdeploy.hfcompat import write_compatible
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.resolve.bundled import ACCEPTED_FORMS, BUNDLED, resolve_bundled
@@ -70,17 +70,25 @@ def run(build: BuildDir, model: str = DEFAULT_MODEL, *, allow_pickle: bool = Fal
     """Stage `resolve`: build/<name>/base/ holds the model as an HF safetensors folder."""
     source = resolve_model_dir(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     load_tokenizer(source, trust_remote_code=trust_remote_code)  # every later stage needs it: say so now
-    # the files' content hashes (cached by size + mtime): new weights of the same size rerun the stage
-    settings = {"model": model, "source": str(source.resolve()), "files": content_fingerprint(source, KEEP_SUFFIXES),
+    carried = _carried(source)
+    # the files' content hashes (cached_sha256): new weights of the same size rerun the stage
+    settings = {"model": model, "source": str(source.resolve()), "files": {f.name: cached_sha256(f) for f in carried},
                 "trust_remote_code": trust_remote_code}
     if build.completed(STAGE, settings):
         return build.path(OUT)
     with build.stage(STAGE, OUT, settings) as tmp:
-        for src in sorted(source.iterdir()):
-            if src.is_file() and src.suffix in KEEP_SUFFIXES and not src.name.startswith("."):
-                carry_file(src, tmp / src.name)
+        for src in carried:
+            carry_file(src, tmp / src.name)
         write_compatible(tmp)  # the GPU host's older transformers loads base/ too (the tokenizer, the llmapi route)
     return build.path(OUT)
+
+
+def _carried(source: Path) -> list[Path]:
+    """What base/ gets: config, tokenizer and code files, and of the weights the checkpoint's own
+    (fileio.checkpoint_files), not another layout beside them (Mistral's consolidated.safetensors)."""
+    weights = set(checkpoint_files(source))
+    return [f for f in sorted(source.iterdir()) if f.is_file() and f.suffix in KEEP_SUFFIXES and not f.name.startswith(".")
+            and (f.suffix != ".safetensors" or f in weights)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

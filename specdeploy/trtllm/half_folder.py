@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import atomic_write_bytes, atomic_write_json, link_folder
+from specdeploy.fileio import atomic_write_bytes, atomic_write_json, checkpoint_files, link_folder
 
 HALF_DTYPE = "bfloat16"
 WEIGHTS = ".safetensors"
@@ -28,23 +28,27 @@ def needs_half(model_dir: Path) -> bool:
 
 
 def write_half(src: Path, dst: Path) -> Path:
-    """dst: src's files with every safetensors file's floating tensors in bfloat16 (one file at a
-    time) and a config declaring it, written for the release's transformers (hfcompat); the other
-    files (tokenizer, shard index, generation config) as they are."""
+    """dst: src's files with the checkpoint's weight files' floating tensors in bfloat16 (one file at
+    a time; fileio.checkpoint_files, other *.safetensors left out) and a config declaring it, written
+    for the release's transformers (hfcompat); the other files (tokenizer, shard index, generation
+    config) as they are."""
     import torch
     from safetensors.torch import load_file, save
 
     from specdeploy.hfcompat import compatible_config, with_dtype, write_compatible
 
     src, dst = Path(src), Path(dst)
-    if not list(src.glob(f"*{WEIGHTS}")):
+    weights = {file.name for file in checkpoint_files(src)}
+    if not weights:
         raise SpecDeployError(f"{src} holds no safetensors weights to write in {HALF_DTYPE} for TensorRT-LLM's PyTorch backend",
                               hint="resolve the model from safetensors (or GGUF), or deploy it in bfloat16 / float16")
     link_folder(src, dst)
     for file in sorted(dst.glob(f"*{WEIGHTS}")):
+        file.unlink()  # a hard link to the source: replaced, never written through
+        if file.name not in weights:
+            continue
         tensors = load_file(str(src / file.name))
         cast = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
-        file.unlink()  # a hard link to the source: replaced, never written through
         atomic_write_bytes(file, save(cast, metadata={"format": "pt"}))
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").unlink()
