@@ -92,9 +92,10 @@ def test_a_failed_round_whose_recovery_fails_too_leaves_the_thread_serving(monke
             outcome, message = answers.get(timeout=30)
             assert outcome == "error" and "RuntimeError: a bug in a round" in message
         assert scheduler.thread.is_alive() and len(decoder.made) == 1
-        assert any("no fresh batch, the old one goes on" in line for line in logged)
-        assert len(decoder.made[0].cancelled) == 2  # the failed sequences leave the old batch
     finally:
-        scheduler.close(timeout_s=5)
+        scheduler.close(timeout_s=5)  # the thread finishes its round (the recovery after the answer) first
+    assert not scheduler.thread.is_alive()
+    assert any("no fresh batch, the old one goes on" in line for line in logged)
+    assert len(decoder.made[0].cancelled) == 2  # the failed sequences leave the old batch
     with pytest.raises(queue.Empty):
         answers.get_nowait()  # one answer a request
