@@ -152,17 +152,18 @@ def cache_dir() -> Path:
 
 
 def cached_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's content, computed once and remembered by (path, size, mtime_ns, ctime_ns, inode).
+    """sha256 of a file's content, computed once and remembered by (path, size, mtime_ns, inode).
 
     Caches and completion checks are keyed on content, never on sizes: two fine-tunes of one
     architecture have identical sizes. Rehashing a 16 GB checkpoint on every run would cost
     minutes, so the digest is kept in $SPECDEPLOY_CACHE/hashes/ and recomputed when any of those
-    change. The change time too: `cp -p`, `tar x` and `rsync -t` restore a modification time, and a
-    freed inode number is reused at once, but no writer can set ctime back.
+    change. Not the change time, which would catch a same-size file restored with its old mtime on a
+    reused inode number (`cp -p`, `tar x`): every hard link the stages make (carry_file) changes it,
+    and a 16 GB checkpoint would be hashed again on every run.
     """
     path = Path(path).resolve()
     stat = path.stat()
-    stamp = (path, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+    stamp = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
     key = hashlib.sha256("\0".join(map(str, stamp)).encode()).hexdigest()
     memo = cache_dir() / "hashes" / key[:2] / key
     try:

@@ -222,7 +222,7 @@ class RequestReader:
             stop_token_ids=(() if end_id is None else (end_id,)) + stop_ids,
             stop_strings=stop_strings,
             # TensorRT-LLM's sampling parameters: "Values < 1 have no effect", and a C++ default of 1 (no end
-            # token first); unset here holds nothing off, as the verify reference does not
+            # token first); unset holds nothing off here, as verify's reference (generate()) does
             min_tokens=max(int(inputs.scalar("min_tokens", 0)), 0),
         )
         params.validate()  # SpecDeployError: a clear message for the client
