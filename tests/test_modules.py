@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import tests.tiny_modules as tm
@@ -386,6 +386,18 @@ def test_what_the_user_vouches_for_is_imported(base, tmp_path):
     other = write_layout("medusa", "medusa", tmp_path / "medusa", OTHER_MODEL)
     build = imported(tmp_path / "c", base, "medusa", other, accept=("verifier",))
     assert spec_of(build)[0]["imported"]["verifier"] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_a_lora_of_the_base_beside_a_modelopt_export_is_no_part_of_the_module(base, tmp_path, capsys):
+    """ModelOpt's export of a module trained with eagle_base_lora: adapter_model.safetensors beside
+    model.safetensors. The module is the draft file alone (transformers reads model.safetensors
+    only), and the user is told the LoRA is not applied."""
+    plain = write_layout("eagle", "eagle3-modelopt", tmp_path / "plain", base)
+    beside = Path(shutil.copytree(plain, tmp_path / "beside"))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, tm.HIDDEN)},
+              str(beside / "adapter_model.safetensors"))
+    assert_same_module(imported(tmp_path / "a", base, "eagle", beside), imported(tmp_path / "b", base, "eagle", plain))
+    assert "adapter_model.safetensors (a LoRA of the base" in capsys.readouterr().out
 
 
 def test_the_kind_must_match_spec(base, tmp_path):

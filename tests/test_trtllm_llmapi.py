@@ -226,6 +226,18 @@ def test_eagle3_draft_folder_takes_the_form_every_loader_accepts(tiny_llama_dir,
     assert summary["engine_flow"] is False and "EAGLE-1/2" in summary["engine_reason"]
 
 
+def test_the_draft_folder_is_modelopts_draft_file_not_the_lora_beside_it(tiny_llama_dir, tmp_path):
+    """ModelOpt exports a module trained with eagle_base_lora as model.safetensors (the draft) and
+    adapter_model.safetensors (the base's LoRA) side by side: the draft folder holds the first only."""
+    _eagle3_spec(tiny_llama_dir, tmp_path / "spec")
+    export = draft_folders.export_eagle3(tiny_llama_dir, tmp_path / "spec", tmp_path / "export")
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 64)},
+              str(export / "adapter_model.safetensors"))
+    draft = draft_folders.write_draft_folder(export, tmp_path / "draft", None)
+    tensors = load_file(str(draft / "model.safetensors"))
+    assert "fc.weight" in tensors and not any(k.startswith("base_model.") for k in tensors)
+
+
 def test_pipeline_stages_with_an_eagle3_module(tiny_llama_dir, tmp_path):
     """convert (auto route) + build on a build directory whose spec stage trained EAGLE-3: no engine
     flow (said plainly, in the summary, the plan and the script), the LLM-API files instead."""

@@ -1,7 +1,9 @@
 """A module folder as its layouts see it: config.json, every tensor of its weight files, and the
 sha256 of each input file (what the import stage records in the manifest).
 
-Weights are read from *.safetensors; pickles (*.bin, *.pt, ...) only where the folder has no
+Weights are read from the folder's checkpoint (model.safetensors, else the shards its index
+names: fileio.checkpoint_files), else from every *.safetensors (a module's own file name, as
+Medusa's medusa_lm_head.safetensors); pickles (*.bin, *.pt, ...) only where the folder has no
 safetensors and the user passed --allow-pickle (models.refuse_pickles: the policy every reader of
 user folders follows), with torch.load(weights_only=True): tensors only, never arbitrary objects.
 """
@@ -15,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.errors import SpecDeployError
-from specdeploy.fileio import cached_sha256
+from specdeploy.fileio import cached_sha256, checkpoint_files
 
 CONFIG = "config.json"
+ADAPTER = "adapter_model.safetensors"  # ModelOpt's export with eagle_base_lora: the base's LoRA, beside the draft
 
 
 @dataclass
@@ -32,10 +35,13 @@ class Folder:
 
 
 def weight_files(path: Path, allow_pickle: bool) -> list[Path]:
-    """The folder's weight files: its safetensors, else (with allow_pickle) its pickles."""
+    """The folder's weight files: its checkpoint's, else its safetensors, else (with allow_pickle)
+    its pickles. A checkpoint's files come first as transformers reads them: beside ModelOpt's
+    model.safetensors may sit adapter_model.safetensors (a LoRA of the base, eagle_base_lora), which
+    is no part of the module."""
     from specdeploy.resolve.local import pickle_files, refuse_pickles
 
-    found = sorted(path.glob("*.safetensors"))
+    found = checkpoint_files(path) or sorted(path.glob("*.safetensors"))
     if found:
         return found
     pickles = [p for p in pickle_files(path) if p.name != "training_args.bin"]
@@ -61,6 +67,9 @@ def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> Folde
     tensors: dict[str, Any] = {}
     for file in weight_files(path, allow_pickle):
         tensors.update(_load(file))
+    if (path / ADAPTER).is_file():
+        print(f"modules: {path / ADAPTER} (a LoRA of the base the module was trained with, ModelOpt's eagle_base_lora) "
+              "is not read: the module drafts for the base as it is, and may be accepted less often than in training")
     config = json.loads((path / CONFIG).read_text()) if (path / CONFIG).is_file() else {}
     return Folder(path, config, tensors, files)
 

@@ -118,7 +118,9 @@ def write_draft_folder(export: Path, out: Path, rope_scaling: dict[str, Any] | N
 
     from specdeploy.hfcompat import compatible_config, with_dtype
 
-    tensors = load_file(str(next(export.glob("*.safetensors"))))
+    # ModelOpt writes the draft as model.safetensors, and with eagle_base_lora its LoRA of the base as
+    # adapter_model.safetensors beside it (hf_spec_export.py, nvidia-modelopt 0.47.0): only the first is the draft
+    tensors = load_file(str(export / "model.safetensors"))
     layers = {k.split(".")[1] for k in tensors if k.startswith("layers.")}
     if len(layers) == 1:
         tensors = {("midlayer." + k.split(".", 2)[2]) if k.startswith("layers.") else k: v for k, v in tensors.items()}
@@ -141,7 +143,7 @@ def eagle3_draft(spec: Any, spec_dir: Path | None, base_dir: Path, out: Path, dt
         raise SpecDeployError("this EAGLE module is EAGLE-1/2 shaped; TensorRT-LLM's LLM API runs EAGLE-3 drafts only",
                               hint="train the module with `specdeploy spec train` (ModelOpt EAGLE-3)")
     ready = Path(spec_dir) / "eagle3_export"
-    if not ((ready / "config.json").exists() and list(ready.glob("*.safetensors"))):
+    if not ((ready / "config.json").exists() and (ready / "model.safetensors").exists()):
         ready = export_eagle3(base_dir, Path(spec_dir), out / ".eagle3_export")
     folder = write_draft_folder(ready, out / DRAFT_FOLDER, training_rope_scaling(spec), dtype, first_layer_fields(spec.config))
     shutil.rmtree(out / ".eagle3_export", ignore_errors=True)

@@ -6,10 +6,11 @@ ensemble steps, and the tensorrt_llm step lasts the whole generation. This model
 steps (steps.json, which `specdeploy package` derives from the ensemble's config: the wiring has
 one source) on a thread per request, and one watcher thread asks the clients of the running
 requests whether they cancelled. For a request whose client did, it sends tensorrt_llm
-TensorRT-LLM's `stop` input with the request's id, which ends the sequence within a round and
-frees its KV cache. Inputs and outputs are the ensemble's (plus TensorRT-LLM's BLS draft-target
-inputs, refused: there is no separate draft model); a non-streaming request gets one response per
-batch row, a streaming one a response per accepted group, then an empty final one. Decoupled or
+TensorRT-LLM's `stop` input with the request's id (each poll until the generation ends), which
+ends the sequence within a round and frees its KV cache. Inputs and outputs are the ensemble's
+(plus TensorRT-LLM's BLS draft-target inputs, refused: there is no separate draft model); a
+non-streaming request gets one response per batch row, a streaming one a response per accepted
+group, then an empty final one. Decoupled or
 not as the repository was packaged (tensorrt_llm is the same): either way each request is
 answered through its response sender, so execute() returns at once.
 """
@@ -139,14 +140,14 @@ class TritonPythonModel:
                 running = list(self.running.items())
             for inner_id, (sender, stop) in running:
                 try:
+                    # sent again each poll until the generation ends: tensorrt_llm drops a stop that
+                    # reaches it before the request it names (as TensorRT-LLM's backend does), and
+                    # the request is registered before it is submitted
                     if sender.is_cancelled():
-                        with self.lock:
-                            if self.running.pop(inner_id, None) is None:
-                                continue
                         for response in self._exec(pb_utils.InferenceRequest(model_name=self.generator, inputs=stop,
                                                                              request_id=inner_id,
                                                                              requested_output_names=["output_ids"])):
-                            if response.has_error():  # the generation runs on to its end: say why
+                            if response.has_error():  # say why (the next poll sends it again)
                                 pb_utils.Logger.log_error(f"specdeploy tensorrt_llm_bls: the stop request for a "
                                                           f"cancelled one failed: {response.error().message()}")
                 except Exception:
