@@ -4,6 +4,7 @@ module that does not fit the base is refused before anything is written."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -307,6 +308,21 @@ def test_export_refuses_what_no_engine_loads(base, tmp_path):
     with pytest.raises(SpecDeployError, match="--format dflash writes DFlash"):
         export.export(eagle, "dflash", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_float32_trtllm_export_says_tensorrt_llm_will_not_serve_it(base, tmp_path, capsys):
+    """--format trtllm --dtype float32 stays allowed (specdeploy's import reads it back bit for bit),
+    but TensorRT-LLM's PyTorch backend runs a drafter in its config's dtype and lacks float32 kernels:
+    the export says so and what to run instead; the default (bfloat16) says nothing of it."""
+    build = imported(tmp_path / "build", base, "eagle", write_layout("eagle", "eagle3", tmp_path / "src", base))
+    parser = argparse.ArgumentParser()
+    export.add_arguments(parser)
+    for dtype, warned in (["--dtype", "float32"], True), ([], False):
+        out = tmp_path / f"out{len(dtype)}"
+        assert export.main(parser.parse_args(["--build-dir", str(build.root), "--format", "trtllm", "--out", str(out), *dtype])) == 0
+        printed = capsys.readouterr().out
+        assert ("#5260" in printed and "--dtype bfloat16" in printed) is warned, printed
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == ("float32" if warned else "bfloat16")
 
 
 # ------------------------------------------------------------------------------ refusals

@@ -137,3 +137,15 @@ def test_the_probe_times_the_stage_functions_on_a_real_base(tiny_llama_dir):
     assert work.decode_steps == 2 * 23 and work.train_steps == settings.steps  # one chat and one code batch
     assert 0 < work.read_tokens <= 16 * settings.tf_max_tokens and 0 < work.prefill_tokens <= 16 * 192
     assert work.seconds(speed) > 0
+
+
+def test_a_decode_probe_that_times_no_longer_than_one_token_still_costs_decode_steps(tiny_llama_dir, monkeypatch):
+    """The decode step is the difference of two generate() timings: host noise, or answers that all
+    end at EOS within the probe's steps, can make it <= 0, and the prediction then left decoding out
+    (decode_step_s 0.0). A step computes one position per answer: at least that many read positions."""
+    settings = replace(presets.settings_for("eagle", "quick", tier="cpu"), distill_batch=8, window=32, draft_vocab=96)
+    timings = {"teacher_forced": [2.0, 2.0], "generate": [0.50, 0.49]}  # the 16 steps lost in noise
+    monkeypatch.setattr(sizing, "_seconds", lambda function, *a, **k: timings[function.__name__].pop(0))
+    monkeypatch.setattr(sizing, "_time_training", lambda *a: 0.25)
+    speed = sizing.measure(tiny_llama_dir, settings, torch.device("cpu"))
+    assert speed.decode_step_s == pytest.approx(settings.distill_batch * speed.token_s) and speed.decode_step_s > 0

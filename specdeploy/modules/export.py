@@ -123,6 +123,17 @@ def notes(build: BuildDir) -> list[str]:
             "acceptance may be lower (the folder records hidden_norm_input for specdeploy's own import)"]
 
 
+def dtype_notes(fmt: str, dtype: str | None) -> list[str]:
+    """What a float32 trtllm folder is for: TensorRT-LLM's PyTorch backend runs a drafter in its
+    config.json's dtype and its kernels lack float32 (NVIDIA/TensorRT-LLM#5260), while specdeploy's
+    import reads the folder back bit for bit; so it is written, with a word on serving it."""
+    if fmt != "trtllm" or dtype != "float32":
+        return []
+    return ["float32 weights: TensorRT-LLM will not serve this folder (its PyTorch backend drafts in the config's dtype "
+            "and its kernels lack float32, NVIDIA/TensorRT-LLM#5260); it is for `specdeploy spec import` (bit for bit). "
+            "To serve the module, export it with --dtype bfloat16 (the default) or float16"]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_build_args(parser)
     parser.add_argument("--format", required=True, choices=FORMATS, help="the layout to write (see docs/formats.md)")
@@ -136,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     build = build_from_args(args)
     out = export(build, args.format, Path(args.out), dtype=args.dtype, verifier=args.verifier)
-    for note in notes(build):
+    for note in notes(build) + dtype_notes(args.format, args.dtype):
         print(f"note: {note}")
     print(f"{args.format}: {out}")
     return 0

@@ -161,7 +161,10 @@ def measure(base_dir: Path, settings: TrainSettings, device: torch.device, *, tr
         short = [p[:200] for p in chat_prompts(settings.distill_batch, "train")]
         once, longer = (_seconds(generate, model, tokenizer, short, max_new_tokens=n, layers=layers, batch_size=len(short))
                         for n in (1, 1 + DECODE_STEPS))
-        decode_step_s = max(longer - once, 0.0) / DECODE_STEPS
+        # a difference of two timings: noise, or answers all ending at EOS within the steps, can make it
+        # <= 0, which would leave decoding out of the prediction; a step computes one position per
+        # answer, never cheaper than a position of the batched reads
+        decode_step_s = max((longer - once) / DECODE_STEPS, len(short) * token_s)
         del model  # training loads its own copy of the base: one in memory at a time
         bar.update(1)
         train_step_s = _time_training(base_dir, settings, device, trust_remote_code)
