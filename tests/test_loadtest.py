@@ -212,6 +212,11 @@ def test_the_control_sweep_gives_each_level_a_noise_floor(tiny_tokenizer_dir):
     report = build_report(results, tokenizer, [1, 2], "exact", control=control)
     assert report["control"][1]["noise_floor"] == pytest.approx(0.99) and report["levels"][1]["slower_than_noise"] == 1
     assert report["ok"] and report["errors"] == 0  # the copies' outputs were held to the rule too, and matched
+    # the twin's passes are one sweep's, shared by both ratios: a failed request of the twin counts once
+    failed = level([1.0, 1.0])
+    failed[0][0].error = "ConnectionError: refused"
+    results[AR][1] = control[AR][1] = failed
+    assert build_report(results, tokenizer, [1, 2], "exact", control=control)["errors"] == 1
 
 
 def test_the_steady_ttft_leaves_out_each_pass_cold_start(tiny_tokenizer_dir):
@@ -370,10 +375,10 @@ def test_sweep_reports_both_arms_at_every_level(report, build):
 def test_passes_alternate_the_arms(report):
     # ABBA within a level, and the next level starts with the arm the last one ended with
     order = re.findall(r"concurrency (\d+), pass (\d)/2: (\w+) done", report["stdout"])
-    abba = lambda arm: [("1", "1", arm), ("1", "1", AR), ("1", "2", AR), ("1", "2", arm),  # noqa: E731
-                        ("2", "1", AR), ("2", "1", arm), ("2", "2", arm), ("2", "2", AR)]
-    # then the A/A control: the same passes with the twin's copy in the speculative arm's place
-    assert order == abba(SPEC) + abba(CONTROL)
+    # with the control, a third arm: the twin between the other two in every pass (ABBA for each pair)
+    forward, back = [SPEC, AR, CONTROL], [CONTROL, AR, SPEC]
+    passes = [("1", "1", forward), ("1", "2", back), ("2", "1", back), ("2", "2", forward)]
+    assert order == [(level, n, arm) for level, n, arms in passes for arm in arms]
 
 
 @pytest.mark.server

@@ -58,9 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=4, help="distinct prompts per category (ShareGPT chat, HumanEval code)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.add_argument("--control", action="store_true",
-                        help="then sweep the autoregressive twin against a second copy of itself (A/A, the same passes; "
-                             "doubles the time): each level's pass ratios of two identical deployments, the host's noise "
-                             "floor, against which a speculative pass below 1 is read")
+                        help="a second copy of the autoregressive twin as a third arm of the same passes (A/A; the twin "
+                             "runs between the other two, so each ratio pairs runs one run apart; half the time again): "
+                             "each level's pass ratios of two identical deployments, the host's noise floor in the same "
+                             "minutes, against which a speculative pass below 1 is read")
     parser.add_argument("--near-tie", type=float,
                         help="outside exact dtypes: an output that differs from its solo run passes when it leaves the "
                              "reference's greedy path where the top-2 logit margin is <= this (as `verify --near-tie`; "

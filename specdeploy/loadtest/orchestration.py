@@ -1,7 +1,7 @@
 """loadtest(): the benchmark on a build. It loads the prompts, starts the speculative server and
-its autoregressive twin (unless --url; with --control a second copy of the twin too), sweeps (then
-the A/A control sweep), stops the servers before the near-tie judge loads the reference, and writes
-loadtest/loadtest.json and loadtest.png."""
+its autoregressive twin (unless --url; with --control a second copy of the twin too, a third arm of
+the same passes), sweeps, stops the servers before the near-tie judge loads the reference, and
+writes loadtest/loadtest.json and loadtest.png."""
 
 from __future__ import annotations
 
@@ -58,9 +58,12 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
         else:
             twin = autoregressive_twin(cpu_repo, twin_dir)
             urls = _start_servers(stack, {SPEC: cpu_repo, AR: twin, **({CONTROL: twin} if args.control else {})}, tmp)
-        results = sweep({arm: url for arm, url in urls.items() if arm != CONTROL}, plan)
-        # the same sweep with a copy of the twin in the speculative arm's place: two identical deployments
-        control = sweep({CONTROL: urls[CONTROL], AR: urls[AR]}, plan, solo=False) if CONTROL in urls else None
+        # with the control, the twin runs between the others in every pass (speculative, twin, copy, then
+        # back): the speculative and the A/A ratio each pair runs one run apart, in the same minutes, as
+        # the host's speed drifts (two sweeps one after the other measured the noise of another hour)
+        swept = sweep(urls, plan, reference=AR if AR in urls else None)
+        results = {arm: swept[arm] for arm in (SPEC, AR) if arm in swept}
+        control = {CONTROL: swept[CONTROL], AR: swept[AR]} if CONTROL in swept else None
         stack.close()  # the servers stop before the judge loads the reference
         report = {"settings": settings, "dtype": deployment["dtype"],
                   **build_report(results, tokenizer, levels, rule, judge, control, deployment.get("spec_off_above"),

@@ -1,8 +1,8 @@
 """The load test's report from a sweep's results: per-level figures of both arms, the speed-up
 curve, break-even concurrency and the suggested spec_off_above, and pass/fail (errors, outputs that
-differ from their solo run under the deployment's parity rule). With a control sweep (the
-autoregressive twin against a second copy of itself, A/A), each level also gets the pass ratios of
-two identical deployments: the noise floor a pass speed-up is read against."""
+differ from their solo run under the deployment's parity rule). With a control (a second copy of
+the autoregressive twin, a third arm of the same passes: A/A), each level also gets the pass ratios
+of two identical deployments: the noise floor a pass speed-up is read against."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
                  fixed_lengths: list[int] | None = None) -> dict[str, Any]:
     """Rows, per-level figures, the speed-up curve, break-even, pass/fail. Outside the exact rule,
     `judge` rules on the outputs that differ from their solo run (judge_near_ties). `control`: the
-    A/A sweep (CONTROL and AR), whose outputs are held to the same rule. `spec_off_above`: the
+    copy's results (CONTROL) with the twin's of the same passes (AR, as in `results`: counted once);
+    the copy's outputs are held to the same rule. `spec_off_above`: the
     deployment's; at the levels above it batches decode plainly, so break-even and the suggestion
     come from the levels at or below it (the others say nothing of speculating there). `fixed_lengths`:
     each prompt's length, where the requests asked for exactly that (min_tokens): the answers short
@@ -53,7 +54,7 @@ def build_report(results: Results, tokenizer: Any, levels: list[int], rule: str,
     speculating = [(level, best) for level, best in zip(levels, best_pass) if spec_off_above is None or level <= spec_off_above]
     swept, paid = [level for level, _ in speculating], [best for _, best in speculating]
     suggested = suggested_spec_off_above(swept, paid)
-    figures = [entry[arm] for entry in report_levels for arm in results] + [pair[arm] for pair in controls for arm in (CONTROL, AR)]
+    figures = [entry[arm] for entry in report_levels for arm in results] + [pair[CONTROL] for pair in controls]
     solo_errors = sum(r["error"] is not None for r in rows[reference].get(0, []))  # the solo pass, when there was one
     errors = sum(f["errors"] for f in figures) + solo_errors
     mismatches = sum(f["compared"] - f["identical"] for f in figures)
@@ -82,7 +83,7 @@ def _rows(results: Results, tokenizer: Any) -> dict[str, dict[int, list[dict[str
 
 def _control_levels(control: Results, tokenizer: Any, levels: list[int], expected: dict[int, str]) -> list[dict[str, Any]]:
     """Per level: both copies' figures, the pass ratios (CONTROL over AR tokens/s, each pass's pair
-    run back to back as in the main sweep) and the noise floor: the lowest ratio either way round,
+    one run apart as the speculative arm's is) and the noise floor: the lowest ratio either way round,
     since the two copies are interchangeable. A speculative pass below it lost by more than two
     identical deployments ever differed."""
     rows = _rows(control, tokenizer)

@@ -130,11 +130,13 @@ class Sweep:
         return self.levels[0] != 1 or len(set(self.order(1))) < len(self.prompts)
 
 
-def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print, solo: bool = True) -> Results:
-    """Every level for every arm in `plan.passes` passes, the arms' order alternating from pass to
-    pass and level to level; a level's passes pool (requests joined in pass order, a wall time per
-    pass). With `solo`, the first reference-arm level is preceded by a solo pass of every prompt
-    (key 0) when the sweep has no concurrency 1 or its requests there leave a prompt out."""
+def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print, solo: bool = True,
+          reference: str | None = None) -> Results:
+    """Every level for every arm in `plan.passes` passes, the arms' order reversing from pass to
+    pass and level to level (two arms: ABBA); a level's passes pool (requests joined in pass order,
+    a wall time per pass). With `solo`, the reference arm (default: the last) has a solo pass of
+    every prompt first (key 0) when the sweep has no concurrency 1 or its requests there leave a
+    prompt out."""
     clients = {arm: [TritonLLMClient(url) for _ in range(plan.levels[-1])] for arm, url in urls.items()}
     results: Results = {arm: {} for arm in urls}
     try:
@@ -142,7 +144,7 @@ def sweep(urls: dict[str, str], plan: Sweep, say: Callable[[str], None] = print,
             for client in pool:
                 client.wait_ready()  # each client reads the model's config now, not inside its first timed request
             pool[0].generate(Request(plan.prompts[0], max_tokens=4), stream=True)
-        reference = list(urls)[-1]
+        reference = reference or list(urls)[-1]
         if solo and plan.needs_solo_pass():
             alone = list(range(len(plan.prompts)))
             timed, wall = run_level(clients[reference][:1], plan.prompts, alone, plan.lengths, [0.0] * len(alone), plan.fixed)
