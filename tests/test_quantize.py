@@ -420,7 +420,10 @@ def test_quantize_spec_fp8_medusa_heads_and_acceptance_report(tmp_path, tiny128_
                 report_prompts=2, report_tokens=8, report_texts=1)
     with safe_open(str(out / "spec" / "module.safetensors"), "pt") as f:
         assert f.get_tensor("medusa_heads.0.0.linear.weight").dtype == torch.float8_e4m3fn
-        assert f.get_tensor("medusa_heads.1.1.input_scale").numel() == 1
+        assert f.get_tensor("medusa_heads.1.0.linear.input_scale").numel() == 1
+        # each head's vocabulary projection (head[-1]) stays unquantized, as the base's lm_head
+        assert f.get_tensor("medusa_heads.1.1.weight").dtype == torch.float32
+        assert not any(k.startswith(("medusa_heads.0.1.", "medusa_heads.1.1.")) and k.endswith("_scale") for k in f.keys())
     assert json.loads((out / "spec" / "spec_config.json").read_text())["quantization"]["quant_algo"] == "FP8"
     assert build.record("quantize")["inputs"].keys() == {"resolve", "spec"}
     acceptance = json.loads((out / "quantize.json").read_text())["acceptance_length"]
@@ -618,6 +621,23 @@ def test_the_quantized_spec_module_keeps_its_lm_head_unquantized():
     assert model["eagle_module"]["fc"].weight_quantizer.is_enabled
     assert not model["eagle_module"]["lm_head"].weight_quantizer.is_enabled
     assert not model["eagle_module"]["lm_head"].input_quantizer.is_enabled
+
+
+def test_the_quantized_medusa_heads_keep_their_vocabulary_projections_unquantized():
+    """Medusa's heads end in their own vocabulary projections (head[-1]), which no lm_head pattern
+    names: they stay unquantized as EAGLE's lm_head does, the ResBlocks are FP8."""
+    import modelopt.torch.quantization as mtq
+    from torch import nn
+
+    from specdeploy.checkpoints.modules.medusa import medusa_heads
+    from specdeploy.quantize.spec_module import _spec_quant_config, _vocab_projections
+
+    model = nn.ModuleDict({"medusa_heads": medusa_heads(num_heads=11, num_layers=1, hidden_size=8, vocab_size=32)})
+    forward = lambda m: [head(torch.randn(4, 8)) for head in m["medusa_heads"]]  # noqa: E731
+    mtq.quantize(model, _spec_quant_config("medusa_heads", _vocab_projections(model, "medusa_heads")), forward)
+    for head in model["medusa_heads"]:  # 11 heads: medusa_heads.1.1 must not reach medusa_heads.11.0
+        assert head[0].linear.weight_quantizer.is_enabled and head[0].linear.input_quantizer.is_enabled
+        assert not head[-1].weight_quantizer.is_enabled and not head[-1].input_quantizer.is_enabled
 
 
 @pytest.mark.parametrize("dtype,made_again", [("float16", True), ("bfloat16", False)])

@@ -19,18 +19,29 @@ from specdeploy.quantize.placement import Placement
 SPEC_PREFIXES = {"medusa": "medusa_heads", "eagle": "eagle_module"}
 
 
-def _spec_quant_config(prefix: str) -> dict[str, Any]:
+def _spec_quant_config(prefix: str, vocab_projections: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """FP8 weights + static FP8 inputs for the module's Linears only (the base is quantized and
     exported separately: this calibration only needs the base to produce the module's inputs),
-    EAGLE's LM head left out as ModelOpt's presets leave the base's (Medusa's heads end in their
-    own vocabulary projections, quantized with the rest: measured only, never deployed)."""
+    its vocabulary projections left out as ModelOpt's presets leave the base's LM head: EAGLE's
+    lm_head, and Medusa's `vocab_projections` (_vocab_projections), which no lm_head pattern names."""
     fp8 = {"num_bits": (4, 3), "axis": None}
     return {"quant_cfg": [
         {"quantizer_name": "*", "enable": False},
         {"quantizer_name": f"*{prefix}*weight_quantizer", "cfg": fp8},
         {"quantizer_name": f"*{prefix}*input_quantizer", "cfg": fp8},
         {"quantizer_name": f"*{prefix}*lm_head*", "enable": False},
+        *({"quantizer_name": f"*{name}.*", "enable": False} for name in vocab_projections),
     ], "algorithm": "max"}
+
+
+def _vocab_projections(model: nn.Module, prefix: str) -> list[str]:
+    """Medusa's per-head vocabulary projections, head[-1] (`medusa_heads.{h}.{layers}`): kept
+    unquantized as TensorRT-LLM's Medusa quantization keeps the heads (quantize_by_modelopt.py
+    excludes *medusa_heads* by default), so the report measures acceptance with the heads a
+    deployment would have. EAGLE's is its lm_head, which the config's pattern already names."""
+    if prefix != SPEC_PREFIXES["medusa"]:
+        return []
+    return [f"{prefix}.{h}.{len(head) - 1}" for h, head in enumerate(model.get_submodule(prefix))]
 
 
 def _module_fp8_tensors(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
@@ -78,7 +89,8 @@ def quantize_spec_module(base_dir: Path, spec_dir: Path, out: Path, batches: lis
     model = load_spec_model(load_base(base_dir, dtype, placement, trust_remote_code), spec_dir)
     # the module reads the states the LM head reads: it lives beside it (one device, or the last shard)
     model.get_submodule(prefix).to(model.get_output_embeddings().weight.device, getattr(torch, dtype))
-    mtq.quantize(model, _spec_quant_config(prefix), forward_loop(batches, f"calibrating {prefix} (fp8)"))
+    quant_config = _spec_quant_config(prefix, _vocab_projections(model, prefix))
+    mtq.quantize(model, quant_config, forward_loop(batches, f"calibrating {prefix} (fp8)"))
     tensors = _module_fp8_tensors(model, prefix)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "module.safetensors"), metadata={"format": "pt", "quant_algo": "FP8"})
