@@ -40,6 +40,8 @@ def read(folder: str, result: str, tensors: str) -> None:
         "config": fields,
         "layer": {name: getattr(layer, name, None) for name in LAYER_FIELDS},
         "rope_theta": dict(getattr(layer, "rope_parameters", None) or {}).get("rope_theta", getattr(layer, "rope_theta", None)),
+        # the frequencies the library's own rotary embedding computes from the config it read
+        "inv_freq": next((m.inv_freq.tolist() for m in model.modules() if hasattr(m, "inv_freq")), None),
         "verifier": {"name_or_path": verifier.name_or_path, "architectures": list(verifier.architectures)},
         "algorithm": config.speculators_config.algorithm,
     }

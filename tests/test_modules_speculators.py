@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import tests.tiny_modules as tm
-from specdeploy import resolve
+from specdeploy import checkpoints, resolve
 from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir
 from specdeploy.modules import export, stage
@@ -69,6 +69,26 @@ def test_speculators_reads_our_export(kind, layout, oracle, base, tmp_path):
             tm.BLOCK, tm.MASK, [i + 1 for i in tm.DFLASH_LAYERS])
         # the full-vocabulary head is the verifier's: what our DFlash drafts through
         assert torch.equal(tensors["lm_head.weight"], load_file(str(base / "model.safetensors"))["lm_head.weight"])
+
+
+def test_speculators_computes_our_rope_from_our_export(oracle, base, tmp_path):
+    """A module with a base's RoPE that is not the default (theta 500000, llama3 scaling, as Llama
+    3.1's): the frequencies speculators' own rotary embedding computes from our export are the ones
+    our runtime's module drafts with (transformers 5 keeps RoPE in rope_parameters, which we write)."""
+    from specdeploy.runtime.proposers import build_proposer
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    source = write_layout("eagle", "eagle3", tmp_path / "src", base)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0, "rope_scaling": scaling}))
+    build = imported(tmp_path / "build", base, "eagle", source, accept=("rope",))  # the tiny base's theta is 10000
+    read, _ = read_back(oracle, export.export(build, "speculators", tmp_path / "exported", verifier=str(base)), tmp_path)
+    target = checkpoints.load_causal_lm(base, dtype="float32")
+    ours = build_proposer("eagle", target, spec_dir=build.path("spec")).module.rotary_emb.inv_freq
+    plain = 1.0 / 500000.0 ** (torch.arange(0, tm.HEAD_DIM, 2).float() / tm.HEAD_DIM)
+    assert read["rope_theta"] == 500000.0 and not torch.allclose(ours, plain)  # scaled, the low frequencies 8x lower
+    assert torch.allclose(torch.tensor(read["inv_freq"]), ours, rtol=1e-6)
 
 
 def test_speculators_own_converter_gives_what_our_import_drafts_from(oracle, base, tmp_path):
