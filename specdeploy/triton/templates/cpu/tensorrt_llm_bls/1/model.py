@@ -10,9 +10,9 @@ TensorRT-LLM's `stop` input with the request's id (each poll until the generatio
 ends the sequence within a round and frees its KV cache. Inputs and outputs are the ensemble's
 (plus TensorRT-LLM's BLS draft-target inputs, refused: there is no separate draft model); a
 non-streaming request gets one response per batch row, a streaming one a response per accepted
-group, then an empty final one. Decoupled or
-not as the repository was packaged (tensorrt_llm is the same): either way each request is
-answered through its response sender, so execute() returns at once.
+group, then an empty final one. Decoupled or not as the repository was packaged (tensorrt_llm is
+the same): either way each request is answered through its response sender, so execute() returns
+at once.
 """
 
 from __future__ import annotations
