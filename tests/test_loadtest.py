@@ -22,7 +22,7 @@ from specdeploy.loadtest.figures import chunk_tokens, count_tokens, inter_token_
 from specdeploy.loadtest.near_ties import disputed_outputs, judge_near_ties, verdict
 from specdeploy.loadtest.report import AR, CONTROL, SPEC, build_report
 from specdeploy.loadtest.sending import Sweep, Timed, arrival_times
-from specdeploy.parity import NEAR_TIE, hf_reference
+from specdeploy.parity import NEAR_TIE, ROUNDING_CEILING, hf_reference
 from specdeploy.stats import percentiles
 from specdeploy.manifest import BuildDir
 from specdeploy.runtime.load_plan import break_even, suggested_spec_off_above
@@ -292,6 +292,34 @@ def test_the_near_tie_judge_passes_the_references_answer_and_fails_a_departure_a
     measured = judge_near_ties([(0, greedy.text)], prompts, reference, [7], near_tie=None, chunk=3)
     assert measured["near_tie"] == measured["measured"]["limit"] == NEAR_TIE and measured["measured"]["round_tokens"] == 3
     assert measured["measured"]["positions"] == len(greedy.token_ids) + 1 and measured["ok"]
+
+
+def test_beyond_the_limit_the_judge_passes_rounding_only_where_the_deployment_is_exact_in_a_batch(tiny_llama_dir, monkeypatch):
+    """An output parting beyond the near-tie limit and within the rounding ceiling passes where the
+    deployment decodes its prompt float64-exactly in an in-flight batch (asked once, only then);
+    not where that fails, nor beyond the ceiling."""
+    reference = load_reference(tiny_llama_dir, "float32", "cpu")
+    prompts = ["def add(a, b):"]
+    greedy = hf_reference(reference.model, reference.tokenizer, reference.ids(prompts[0]), 7)
+    departs = reference.tokenizer.decode(greedy.token_ids[:3]) + "\x00zzz"
+    margin = greedy.margins[3]
+    assert 0 < margin <= ROUNDING_CEILING
+    asked = []
+
+    def exact(answer: bool):
+        return lambda: asked.append(answer) or [answer]
+
+    passed = judge_near_ties([(0, departs)], prompts, reference, [7], near_tie=0.0, exact_in_batch=exact(True))
+    assert passed["ok"] and passed["rounding"] == 1 and passed["rows"][0]["rounding"]
+    report = {"parity_rule": "near-tie", "mismatches": 1, "dtype": "float32", "near_tie": passed}
+    assert not verdict(report).startswith("FAIL") and "1 beyond it, up to 4, as the dtype's rounding" in verdict(report)
+    failed = judge_near_ties([(0, departs)], prompts, reference, [7], near_tie=0.0, exact_in_batch=exact(False))
+    assert not failed["ok"] and failed["rounding"] == 0
+    within = judge_near_ties([(0, departs)], prompts, reference, [7], near_tie=margin + 1e-3, exact_in_batch=exact(True))
+    assert within["ok"] and within["rounding"] == 0 and asked == [True, False]  # nothing beyond the limit: not asked
+    monkeypatch.setattr("specdeploy.loadtest.near_ties.ROUNDING_CEILING", margin - 1e-3)  # the margin now beyond the ceiling
+    beyond = judge_near_ties([(0, departs)], prompts, reference, [7], near_tie=0.0, exact_in_batch=exact(True))
+    assert not beyond["ok"] and asked == [True, False]
 
 
 def test_the_near_tie_judge_holds_off_the_end_as_fixed_length_requests_did(tiny_llama_dir):

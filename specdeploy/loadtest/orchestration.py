@@ -29,6 +29,7 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
     """Start the servers (unless --url), sweep, write loadtest/; return the report."""
     from specdeploy.checkpoints import load_tokenizer
     from specdeploy.checkpoints.quantized import read_quant_config
+    from specdeploy.exactness import speculative_exactness
     from specdeploy.verify.reference import load_prompts, load_reference
 
     cpu_repo = build.path("triton_repo") / "cpu"
@@ -48,7 +49,15 @@ def loadtest(build: BuildDir, args: argparse.Namespace, levels: list[int]) -> di
 
     def judge(disputed: list[tuple[int, str]]) -> dict[str, Any]:
         reference = load_reference(model_dir, deployment["dtype"], args.device)
-        return judge_near_ties(disputed, prompts, reference, plan.lengths, args.near_tie, round_tokens(deployment), plan.fixed)
+
+        def exact_in_batch() -> list[bool]:  # every prompt in one in-flight batch, float64
+            ids = [reference.ids(text)[0].tolist() for text in prompts]
+            rows = speculative_exactness(cpu_repo / DEPLOYMENT, ids, max(plan.lengths), args.device)["rows"]
+            return [row["identical"] for row in rows]
+
+        # a server at --url is not this CPU deployment: its float64 exactness would say nothing of that server
+        return judge_near_ties(disputed, prompts, reference, plan.lengths, args.near_tie, round_tokens(deployment), plan.fixed,
+                               None if args.url else exact_in_batch)
 
     twin_dir = build.root / ".loadtest_ar_repo" / "cpu"  # as deep as triton_repo/cpu: relative paths hold
     with build.stage(STAGE, OUT, settings, consumes=("package",)) as tmp, ExitStack() as stack:
