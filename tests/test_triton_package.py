@@ -23,7 +23,7 @@ from specdeploy.manifest import BuildDir
 from specdeploy.runtime.deployment import load_decoder
 from specdeploy.runtime.load_plan import LoadPoint, suggested_spec_off_above
 from specdeploy.triton import stage
-from specdeploy.triton.cpu_plan import LOAD_PAYS, PLAN_FILE, load_sizes, load_summary
+from specdeploy.triton.cpu_plan import LOAD_PAYS, PLAN_FILE, load_sizes, load_summary, pooled_near_border
 from specdeploy.triton.cpu_repo import CPU_COUNTERS, CPU_MAX_BATCH_SIZE
 from specdeploy.triton.routes import gpu_routes, gpu_summary
 from specdeploy.triton.templating import backend_fill_args, fill
@@ -375,6 +375,30 @@ def test_the_load_plan_summary_names_a_size_that_lost_below_one_that_paid():
     assert load_summary(noisy, None).endswith(f"none (speculation paid at the largest size; below {LOAD_PAYS}x at 4, read as noise)")
     assert "1: 1.21x, 2: 1.24x, 4: 0.94x, 8: 1.07x" in load_summary(noisy, None)
     assert load_summary(noisy[:3], 2).endswith("spec_off_above 2")
+
+
+def test_a_load_plan_size_measured_near_the_margin_is_measured_again_and_pooled():
+    """A size within LOAD_BORDER of LOAD_PAYS is measured again (only it), its rounds pooled, up to
+    LOAD_MEASUREMENTS in all; a size clear of the margin is measured once."""
+    def point(batch: int, speedup: float) -> LoadPoint:
+        return LoadPoint(batch, spec_tokens=round(speedup * 1000), spec_s=1.0, plain_tokens=1000, plain_s=1.0)
+
+    asked = []
+    answers = iter([[point(4, 1.10)], [point(4, 1.08)]])
+
+    def measure(sizes: list[int]) -> list[LoadPoint]:
+        asked.append(sizes)
+        return next(answers)
+
+    first = [point(1, 1.27), point(2, 1.15), point(4, 1.03), point(8, 0.90)]
+    pooled = pooled_near_border(measure, first)
+    # 4: 1.03 then pooled with 1.10 (1.065, still close), then with 1.08: three measurements in all
+    assert asked == [[4], [4]] and [p.batch for p in pooled] == [1, 2, 4, 8]
+    assert pooled[2].speedup == pytest.approx((1030 + 1100 + 1080) / 3000) and pooled[2].spec_s == 3.0
+    assert pooled[0] is first[0] and pooled[3] is first[3]
+    assert suggested_spec_off_above([p.batch for p in pooled], [p.speedup for p in pooled], LOAD_PAYS) == 4
+    clear = [point(1, 1.27), point(8, 0.90)]
+    assert pooled_near_border(measure, clear) == clear and len(asked) == 2  # nothing near the margin: not measured again
 
 
 def test_llmapi_model_yaml_is_one_writer_that_honours_the_converted_tp(make):

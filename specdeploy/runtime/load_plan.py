@@ -40,6 +40,11 @@ class LoadPoint:
     def speedup(self) -> float:
         return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
 
+    def pooled(self, other: "LoadPoint") -> "LoadPoint":
+        """This size's measurement and another of it, their rounds together."""
+        return LoadPoint(self.batch, self.spec_tokens + other.spec_tokens, self.spec_s + other.spec_s,
+                         self.plain_tokens + other.plain_tokens, self.plain_s + other.plain_s)
+
     def as_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, "spec_tokens_per_s": self.spec_tokens / self.spec_s,
                 "plain_tokens_per_s": self.plain_tokens / self.plain_s, "speedup": self.speedup}
