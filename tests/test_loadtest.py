@@ -236,8 +236,8 @@ def test_the_steady_ttft_leaves_out_each_pass_cold_start(tiny_tokenizer_dir):
 
 def test_the_default_requests_go_past_each_clients_first():
     plan = Sweep(["a", "b", "c"], [1, 2, 4, 8], None, 32)
-    assert [plan.requests_at(level) for level in plan.levels] == [8, 8, 12, 24]
-    assert plan.order(4) == [0, 1, 2] * 4
+    assert [plan.requests_at(level) for level in plan.levels] == [8, 12, 24, 48]
+    assert plan.order(4) == [0, 1, 2] * 8
     assert Sweep(["a"], [1, 8], 5, 32).requests_at(8) == 5  # asked for: as asked
 
 

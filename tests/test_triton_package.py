@@ -384,20 +384,22 @@ def test_a_load_plan_size_measured_near_the_margin_is_measured_again_and_pooled(
         return LoadPoint(batch, spec_tokens=round(speedup * 1000), spec_s=1.0, plain_tokens=1000, plain_s=1.0)
 
     asked = []
-    answers = iter([[point(4, 1.10)], [point(4, 1.08)]])
+    answers = iter([[point(4, LOAD_PAYS + 0.04)], [point(4, LOAD_PAYS + 0.03)]])
 
     def measure(sizes: list[int]) -> list[LoadPoint]:
         asked.append(sizes)
         return next(answers)
 
-    first = [point(1, 1.27), point(2, 1.15), point(4, 1.03), point(8, 0.90)]
+    first = [point(1, 1.27), point(2, 1.15), point(4, LOAD_PAYS - 0.02), point(8, LOAD_PAYS - 0.10)]
     pooled = pooled_near_border(measure, first)
-    # 4: 1.03 then pooled with 1.10 (1.065, still close), then with 1.08: three measurements in all
+    # 4: below the margin, then pooled with a reading above it (+0.01, still close), then with another:
+    # three measurements in all, and the pooled rounds pay
     assert asked == [[4], [4]] and [p.batch for p in pooled] == [1, 2, 4, 8]
-    assert pooled[2].speedup == pytest.approx((1030 + 1100 + 1080) / 3000) and pooled[2].spec_s == 3.0
+    assert pooled[2].speedup == pytest.approx(LOAD_PAYS + 0.05 / 3, abs=1e-3) and pooled[2].spec_s == 3.0
     assert pooled[0] is first[0] and pooled[3] is first[3]
     assert suggested_spec_off_above([p.batch for p in pooled], [p.speedup for p in pooled], LOAD_PAYS) == 4
-    clear = [point(1, 1.27), point(8, 0.90)]
+    assert suggested_spec_off_above([p.batch for p in first], [p.speedup for p in first], LOAD_PAYS) == 2  # unpooled
+    clear = [point(1, 1.27), point(8, LOAD_PAYS - 0.10)]
     assert pooled_near_border(measure, clear) == clear and len(asked) == 2  # nothing near the margin: not measured again
 
 

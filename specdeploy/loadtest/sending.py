@@ -15,7 +15,10 @@ import numpy as np
 
 from specdeploy.client import Request, TritonLLMClient
 
-MIN_REQUESTS, REQUESTS_PER_CLIENT = 8, 3  # the default requests per arm, level and pass (Sweep.requests_at)
+# the default requests per arm, level and pass (Sweep.requests_at). 6 per client: a pass at concurrency 8
+# runs ~15 s on 2 cores; with 3 per client (~8 s), two copies of the AR twin differed by 0.89-1.11x in
+# single passes, with 6 by 0.98-1.04x (docs/measurements.md, 2026-11-29)
+MIN_REQUESTS, REQUESTS_PER_CLIENT = 8, 6
 
 
 def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
