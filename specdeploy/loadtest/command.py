@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"where that is more, so that a pass goes on past its cold start: "
                              f"{REQUESTS_PER_CLIENT * 8} at concurrency 8)")
     parser.add_argument("--passes", type=int, default=2,
-                        help="passes per level, the arms' order alternating (ABBA); default 2: the default sweep took "
-                             "~4.5 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
+                        help="passes per level, the arms' order alternating (ABBA); default 2: the default load test took "
+                             "~4 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
     parser.add_argument("--max-tokens", type=int, default=32, help="the mean of the prompts' max tokens (default 32)")
     parser.add_argument("--length-spread", type=float, default=0.5,
                         help="each prompt asks for --max-tokens x a factor in [1 - spread, 1 + spread], spread evenly over "

@@ -20,13 +20,11 @@ if TYPE_CHECKING:
 CPU_PLAN = 10  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
 PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
 CPU_DRAFT_SHAPES = ("fixed", "auto")
-# A batch speculates where its rounds measured at least as fast in-process. Served, batches of 4-8
-# gained more than the rounds say: the server's cost per round and sequence (a response through the
-# stack), which they leave out, comes once per accepted run of tokens. Speculation always on, default
-# build (docs/measurements.md, 2026-11-29): bf16, in-process 1.06x / 1.00x at batch 4 / 8, served
-# 1.12x / 1.09x (every pass >= 1.06); float32, 0.98x / 0.90x in-process, 1.01x / 0.94x served (passes
-# >= 0.999 at 4). At batch 2 served gained as much or less (bf16 1.16x in-process, 1.13-1.17x served;
-# float32 1.19x, 1.08x), but there the rounds gain far more than the margin.
+# A batch speculates where its rounds measured at least as fast in-process. The load test's closed
+# loop gained more at 4-8 than these rounds (docs/measurements.md, 2026-11-29; speculation always on):
+# bf16, rounds 1.06x / 1.00x at batch 4 / 8, served 1.12x / 1.09x (every pass >= 1.06), and the same
+# closed loop in-process, no server, 1.07-1.10x at 8; float32, rounds 0.98x / 0.90x, served 1.01x /
+# 0.94x. The 1.05 margin before stopped the bf16 build speculating above 4, where it served 1.09x.
 LOAD_PAYS = 1.0
 # A size measured this close to LOAD_PAYS is measured again, up to LOAD_MEASUREMENTS times in all, its
 # rounds pooled: on one build single measurements read 1.02-1.09x at batch 4 and 1.01-1.06x at 8
