@@ -315,22 +315,6 @@ def test_load_curve_times_rounds_after_a_plain_warmup(target, monkeypatch):
     assert (point.plain_tokens, point.spec_tokens) == (4, 16)
 
 
-def test_load_curve_times_every_round_where_the_answers_would_end_early(target, monkeypatch):
-    """A row that ends stops the timing: the load plan holds every row's end off (min_tokens) so that
-    all its rounds run, here with the token the greedy answer gives third as the end token."""
-    prompt = [5, 17, 33, 90]
-    answer = generate(target, prompt, SamplingParams(max_new_tokens=3)).token_ids
-    monkeypatch.setattr(target.generation_config, "eos_token_id", answer[-1])
-    made = []
-
-    def make(size):
-        made.append(batcher_of(target, build_proposer("draft", target, draft_model=target), 3)(size))
-        return made[-1]
-
-    (point,) = measure_load_curve(make, [prompt], [1], rounds=4, max_draft=3, warmup=6)
-    assert made[0].stats.rounds == 1 + 6 + 1 + 4 and point.plain_tokens == 4
-
-
 def test_load_curve_resumes_a_module_that_reads_the_targets_states(target):
     """EAGLE reads the target's states: after the plain warm-up each row is caught up (it has the
     tokens to go for it) and drafts in every timed round, with the default warm-up and a chain of 1."""

@@ -84,12 +84,8 @@ def _time_rounds(batchers: dict[bool, InflightBatcher], batch: list[list[int]], 
     tokens of their timed rounds."""
     emitted: dict[bool, list[int]] = {True: [], False: []}
     # room for the warm-up twice over: a row is caught up after plain rounds only while it has at
-    # least as many tokens to go as it missed (InflightBatcher._worth_catching_up). Every row runs to
-    # that length (min_tokens, as the load test's requests do): the first row to end stops the timing,
-    # and on the default build a calibration answer ended a few rounds past the warm-up, so the plan
-    # timed ~5 of its 12 speculative rounds at batch 4 and 8 (docs/measurements.md, 2026-11-29)
-    length = 2 * (warmup + 1) + (rounds + 1) * (max_draft + 1) + 2
-    params = SamplingParams(max_new_tokens=length, min_tokens=length)
+    # least as many tokens to go as it missed (InflightBatcher._worth_catching_up)
+    params = SamplingParams(max_new_tokens=2 * (warmup + 1) + (rounds + 1) * (max_draft + 1) + 2)
     for speculate, batcher in batchers.items():
         count = emitted[speculate].append
         for ids in batch:

@@ -17,7 +17,7 @@ from specdeploy.triton.cpu_repo import DEPLOYMENT_FILE
 if TYPE_CHECKING:
     from specdeploy.runtime.load_plan import LoadPoint
 
-CPU_PLAN = 11  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
+CPU_PLAN = 10  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
 PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
 CPU_DRAFT_SHAPES = ("fixed", "auto")
 # A batch speculates where its rounds measured at least as fast in-process. The load test's closed
