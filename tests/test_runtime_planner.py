@@ -282,42 +282,110 @@ def batcher_of(target, proposer, draft_len):
     return lambda size: InflightBatcher(target, proposer.fork, draft_len=draft_len, max_batch_size=size, adaptive=False)
 
 
-def test_load_curve_interleaves_speculative_rounds_with_the_plain_twins(target):
+PLAN_PROMPTS = [[5, 17, 33, 90], [100, 101, 102, 7]]
+
+
+def recording(monkeypatch):
+    """Every batcher measure_load_curve makes (the deployment's, then its plain twin), each with the
+    largest number of requests it held at once; and at each step, the arm that stepped and every
+    arm's (tokens so far, done) just before."""
+    made, steps, loops = [], [], []
+    twin_of, side_by_side = load_plan._plain_twin, load_plan._side_by_side
+    arm_step, batcher_step = load_plan._ClosedLoop.step, InflightBatcher.step
+
+    def record_arm_step(arm):
+        steps.append((arm, {other: (other.tokens, other.done) for other in loops[-1]}))
+        arm_step(arm)
+
+    def record_batcher_step(batcher):
+        batcher.most = max(getattr(batcher, "most", 0), batcher.active + batcher.waiting)
+        return batcher_step(batcher)
+
+    monkeypatch.setattr(load_plan, "_plain_twin", lambda batcher: made.append(twin_of(batcher)) or made[-1])
+    monkeypatch.setattr(load_plan, "_side_by_side", lambda arms: loops.append(arms) or side_by_side(arms))
+    monkeypatch.setattr(load_plan._ClosedLoop, "step", record_arm_step)
+    monkeypatch.setattr(InflightBatcher, "step", record_batcher_step)
+    return made, steps
+
+
+def test_load_curve_runs_the_load_tests_closed_loop_on_both_arms(target, monkeypatch):
+    """Each size: that many clients, the prompts in turn (3 requests per client, every prompt at
+    least once), every answer exactly its length, on the deployment and on its plain twin."""
     perfect = build_proposer("draft", target, draft_model=target)  # every draft accepted
-    points = measure_load_curve(batcher_of(target, perfect, 3), [[5, 17, 33, 90], [100, 101, 102, 7]], [1, 2, 3],
-                                rounds=4, max_draft=3)
-    assert [p.batch for p in points] == [1, 2, 3]
-    # every prompt is in a batch: two batches of 1, one of 2, one of 3 (the prompts cycled);
-    # 4 rounds of each kind per batch: a plain round emits 1 token a row, a speculative one 3 + 1
-    for p, batches in zip(points, [2, 1, 1]):
-        assert (p.plain_tokens, p.spec_tokens) == (4 * p.batch * batches, 16 * p.batch * batches)
-        assert p.spec_s > 0 and p.plain_s > 0
-
-
-def test_load_curve_times_rounds_after_a_plain_warmup(target, monkeypatch):
-    """Acceptance is highest at an answer's start: the timed rounds come after `warmup` plain ones,
-    on the deployment and on its plain twin (no proposer: what a server's AR twin runs) alike."""
-    perfect = build_proposer("draft", target, draft_model=target)
-    made, twins = [], []
+    made, _ = recording(monkeypatch)
 
     def make(size):
         made.append(batcher_of(target, perfect, 3)(size))
         return made[-1]
 
-    twin_of = load_plan._plain_twin
-    monkeypatch.setattr(load_plan, "_plain_twin", lambda batcher: twins.append(twin_of(batcher)) or twins[-1])
-    (point,) = measure_load_curve(make, [[5, 17, 33, 90]], [1], rounds=4, max_draft=3, warmup=6)
-    (batcher,), (twin,) = made, twins
-    # the admitting round, the warm-up, the round that resumes speculating (untimed), 4 timed
-    assert batcher.stats.rounds == 1 + 6 + 1 + 4 and twin.stats.rounds == 1 + 6 + 4
-    assert batcher.stats.draft_tokens == 5 * 3  # the resuming round and the 4 timed ones drafted
-    assert twin.proposer_factory is None and twin.stats.draft_tokens == 0
-    assert (point.plain_tokens, point.spec_tokens) == (4, 16)
+    points = measure_load_curve(make, PLAN_PROMPTS, [1, 2, 3], lengths=[5, 9])
+    assert [p.batch for p in points] == [1, 2, 3]
+    for point, requests, (spec, twin) in zip(points, [3, 6, 9], zip(made[::2], made[1::2])):
+        tokens = sum([5, 9][i % 2] for i in range(requests))
+        assert point.spec_tokens == point.plain_tokens == tokens
+        assert spec.most == twin.most == point.batch  # the clients kept that many requests in flight
+        assert twin.proposer_factory is None and twin.stats.draft_tokens == 0
+        assert spec.stats.rounds < twin.stats.rounds  # 4 tokens a speculative round, 1 a plain one
+        assert point.spec_s > 0 and point.plain_s > 0
 
 
-def test_load_curve_resumes_a_module_that_reads_the_targets_states(target):
-    """EAGLE reads the target's states: after the plain warm-up each row is caught up (it has the
-    tokens to go for it) and drafts in every timed round, with the default warm-up and a chain of 1."""
+def test_load_curve_sends_every_prompt_and_asks_for_the_load_tests_lengths(target, monkeypatch):
+    perfect = build_proposer("draft", target, draft_model=target)
+    sent = []
+    add = InflightBatcher.add
+    monkeypatch.setattr(InflightBatcher, "add", lambda self, request: sent.append((self, request)) or add(self, request))
+    prompts = [[5, 17, 33, 90], [100, 101, 102, 7], [9, 8, 7], [1, 2, 3, 4, 5]]
+    (point,) = measure_load_curve(batcher_of(target, perfect, 3), prompts, [1])
+    lengths = load_plan.answer_lengths(4, load_plan.LOAD_ANSWER_TOKENS, load_plan.LOAD_ANSWER_SPREAD)
+    assert sorted(lengths) == [16, 27, 37, 48]  # make loadtest's defaults: 32 tokens, spread 0.5
+    # one client: 3 requests would leave a prompt out; each arm sends each prompt once
+    arms = {batcher for batcher, _ in sent}
+    assert len(arms) == 2
+    for arm in arms:
+        requests = [request for batcher, request in sent if batcher is arm]
+        assert [r.prompt_ids for r in requests] == prompts
+        assert [(r.params.max_new_tokens, r.params.min_tokens) for r in requests] == [(n, n) for n in lengths]
+    assert point.spec_tokens == point.plain_tokens == sum(lengths)
+
+
+def test_load_curve_leaves_out_a_prompt_without_room_for_its_answer(target):
+    perfect = build_proposer("draft", target, draft_model=target)
+    context = target.config.max_position_embeddings
+    sent = []
+    make = batcher_of(target, perfect, 3)
+    long_prompt = [7] * (context - 10)  # 10 tokens of room, its answer asks for 12
+
+    def recording_make(size):
+        batcher = make(size)
+        add = batcher.add
+        batcher.add = lambda request: sent.append(request.prompt_ids) or add(request)
+        return batcher
+
+    (point,) = measure_load_curve(recording_make, [[5, 17, 33, 90], long_prompt], [1], lengths=[4, 12])
+    assert sent == [[5, 17, 33, 90]] * 3 and point.spec_tokens == 3 * 4
+    with pytest.raises(SpecDeployError, match="no load-plan prompt leaves room for its answer"):
+        measure_load_curve(make, [long_prompt], [1], lengths=[12])
+
+
+def test_load_curve_steps_the_arm_behind(target, monkeypatch):
+    """The arms go through their requests together: the next step is always the one of the arm
+    with fewer tokens so far, so a slow spell of the host falls on both."""
+    perfect = build_proposer("draft", target, draft_model=target)
+    _, steps = recording(monkeypatch)
+    measure_load_curve(batcher_of(target, perfect, 3), PLAN_PROMPTS, [2], lengths=[12, 20])
+    for arm, before in steps:
+        tokens, _ = before[arm]
+        assert all(tokens <= other_tokens for other_tokens, done in before.values() if not done)
+    # the plain arm (1 token a row and round) takes several steps to each speculative one (4), all along
+    order = ["plain" if arm.batcher.proposer_factory is None else "spec" for arm, _ in steps]
+    half = len(order) // 2
+    assert order[:half].count("spec") > 0 and order[half:].count("spec") > 0
+    assert order.count("plain") > 2 * order.count("spec")
+
+
+def test_load_curve_drafts_with_a_module_that_reads_the_targets_states(target):
+    """EAGLE reads the target's states: it drafts in the closed loop's rounds from each request's
+    prefill on."""
     eagle = build_proposer("eagle", target, mode="chain", chain_len=1)
     made = []
 
@@ -325,16 +393,16 @@ def test_load_curve_resumes_a_module_that_reads_the_targets_states(target):
         made.append(batcher_of(target, eagle, 1)(size))
         return made[-1]
 
-    (point,) = measure_load_curve(make, [[5, 17, 33, 90], [100, 101, 102, 7]], [2], rounds=4, max_draft=1)
+    (point,) = measure_load_curve(make, PLAN_PROMPTS, [2], lengths=[6, 6])
     (batcher,) = made
-    assert batcher.stats.draft_tokens == 2 * (1 + 4)  # both rows: the resuming round and the 4 timed ones
-    assert point.spec_tokens >= point.plain_tokens == 2 * 4
+    assert batcher.stats.draft_tokens >= batcher.stats.rounds > 0  # every round drafted
+    assert point.spec_tokens == point.plain_tokens == 6 * 6
 
 
 def test_load_curve_of_a_draft_too_slow_to_pay_turns_speculation_off(target, monkeypatch):
     clock = Clock(tick=0.001)  # a round without a draft takes 1 ms on the planner's clock, a draft 1 s more
     monkeypatch.setattr(load_plan, "time", clock)
     slow = Paced(build_proposer("draft", target, draft_model=target), clock, lambda tree: 1.0)
-    points = measure_load_curve(batcher_of(target, slow, 2), [[5, 17, 33, 90]], [1, 2], rounds=2, max_draft=2)
+    points = measure_load_curve(batcher_of(target, slow, 2), [[5, 17, 33, 90]], [1, 2], lengths=[6])
     assert all(p.speedup < 1 for p in points)
     assert suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points]) == 0

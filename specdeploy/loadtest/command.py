@@ -17,6 +17,7 @@ from specdeploy.loadtest.near_ties import verdict
 from specdeploy.loadtest.orchestration import OUT, loadtest
 from specdeploy.loadtest.sending import MIN_REQUESTS, REQUESTS_PER_CLIENT
 from specdeploy.manifest import add_build_args, build_from_args
+from specdeploy.runtime.load_plan import LOAD_ANSWER_SPREAD, LOAD_ANSWER_TOKENS
 
 
 def parse_levels(text: str) -> list[int]:
@@ -43,11 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", type=int, default=2,
                         help="passes per level, the arms' order alternating (ABBA); default 2: the default load test took "
                              "~4 min on 2 CPU cores (one pass of 8 requests could not tell 10%% apart)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="the mean of the prompts' max tokens (default 32)")
-    parser.add_argument("--length-spread", type=float, default=0.5,
+    parser.add_argument("--max-tokens", type=int, default=LOAD_ANSWER_TOKENS,
+                        help=f"the mean of the prompts' max tokens (default {LOAD_ANSWER_TOKENS}; the build's load plan "
+                             "asks for the default lengths)")
+    parser.add_argument("--length-spread", type=float, default=LOAD_ANSWER_SPREAD,
                         help="each prompt asks for --max-tokens x a factor in [1 - spread, 1 + spread], spread evenly over "
-                             "the prompts (default 0.5: 16-48 tokens), as a dataset's answers vary; 0: all alike, and the "
-                             "closed loop's clients then finish together and return as one burst")
+                             f"the prompts (default {LOAD_ANSWER_SPREAD}: 16-48 tokens), as a dataset's answers vary; 0: all "
+                             "alike, and the closed loop's clients then finish together and return as one burst")
     parser.add_argument("--fixed-lengths", action=argparse.BooleanOptionalAction, default=True,
                         help="each request sends min_tokens = its max tokens, so every answer has exactly its length in "
                              "every pass and arm, as trtllm-bench and GenAI-Perf's TensorRT-LLM runs do (default); "

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from specdeploy.client import Request, TritonLLMClient
+from specdeploy.runtime.load_plan import answer_lengths
 
 # the default requests per arm, level and pass (Sweep.requests_at). 6 per client: a pass at concurrency 8
 # runs ~15 s on 2 cores; with 3 per client (~8 s), two copies of the AR twin differed by 0.89-1.11x in
@@ -112,12 +113,8 @@ class Sweep:
 
     @property
     def lengths(self) -> list[int]:
-        """Each prompt's max tokens: max_tokens x factors evenly spread over [1 - spread, 1 + spread],
-        dealt to the prompts in a seeded order. Answers of one length keep a closed loop's clients
-        in lockstep: they finish in the same round and come back as one burst."""
-        factors = np.linspace(1 - self.spread, 1 + self.spread, len(self.prompts)) if len(self.prompts) > 1 else [1.0]
-        dealt = np.random.default_rng(self.seed).permutation(len(self.prompts))
-        return [max(1, round(self.max_tokens * float(factors[i]))) for i in dealt]
+        """Each prompt's max tokens (load_plan.answer_lengths: spread about max_tokens, seeded)."""
+        return answer_lengths(len(self.prompts), self.max_tokens, self.spread, self.seed)
 
     def requests_at(self, level: int) -> int:
         """The asked number, or MIN_REQUESTS and at least REQUESTS_PER_CLIENT per client: a pass

@@ -2,33 +2,46 @@
 
 Under load the balance moves: an in-flight batch verifies every row in one forward, whose cost
 grows slowly with the batch, while most proposers draft row by row (EAGLE drafts the batch
-together, at a cost that still grows with it). `measure_load_curve` runs batches of 1..n
-requests on the deployment and on its plain twin (the AR twin a server is compared with), their
-rounds interleaved, and `spec_off_above` is the largest batch where speculating paid
+together, at a cost that still grows with it), and every answer's prompt is prefilled on its own
+(EAGLE's module reads it too). `measure_load_curve` runs `make loadtest`'s closed loop in-process
+for each batch size n: n clients, each sending its next request when its answer is complete, on
+the deployment and on its plain twin (the AR twin a server is compared with), the two stepping
+side by side over the same requests. `spec_off_above` is the largest batch where speculating paid
 (Arctic's disable_by_batch_size).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
+from specdeploy.errors import SpecDeployError
 from specdeploy.runtime.batch import InflightBatcher
 from specdeploy.runtime.batch_requests import BatchRequest
-from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
 from specdeploy.runtime.planner import synchronize
 from specdeploy.runtime.types import SamplingParams
 
-# Acceptance falls along an answer (planner.CALIBRATION_TOKENS): the load plan measures after this
-# many plain rounds.
-LOAD_WARMUP = 24
+# The answers the load plan asks for: `make loadtest`'s default --max-tokens and --length-spread (its
+# figures are what the plan predicts). Timing whole answers of the load test's lengths, prefill
+# included, the plan read within 0.02 of what the load test served with speculation always on
+# (docs/measurements.md, 2026-11-29): bf16 1.13-1.14x / 1.07-1.10x at 4 / 8 (served 1.12x / 1.09x),
+# float32 1.01-1.02x / 0.94-0.96x (served 1.01x / 0.94x). Rounds timed 24 tokens into answers that
+# could end had read 1.06x / 1.00x and 0.98x / 0.90x.
+LOAD_ANSWER_TOKENS, LOAD_ANSWER_SPREAD = 32, 0.5
+# Requests per client and size (and every prompt at least once): with 3, the readings of one build
+# moved by up to 0.04 from run to run; sizes 1, 2, 4 and 8 took 58-61 s on two cores (bf16), 109-111 s
+# (float32).
+LOAD_REQUESTS_PER_CLIENT = 3
 
 
 @dataclass
 class LoadPoint:
-    """One in-flight batch of `batch` sequences: tokens/s of its speculative rounds and of its
-    plain twin's rounds."""
+    """One in-flight batch of `batch` sequences: tokens/s of the deployment and of its plain twin
+    over the same requests."""
 
     batch: int
     spec_tokens: int
@@ -41,7 +54,7 @@ class LoadPoint:
         return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
 
     def pooled(self, other: "LoadPoint") -> "LoadPoint":
-        """This size's measurement and another of it, their rounds together."""
+        """This size's measurement and another of it, their requests together."""
         return LoadPoint(self.batch, self.spec_tokens + other.spec_tokens, self.spec_s + other.spec_s,
                          self.plain_tokens + other.plain_tokens, self.plain_s + other.plain_s)
 
@@ -50,25 +63,37 @@ class LoadPoint:
                 "plain_tokens_per_s": self.plain_tokens / self.plain_s, "speedup": self.speedup}
 
 
+def answer_lengths(n: int, mean: int, spread: float, seed: int = 0) -> list[int]:
+    """Each of `n` prompts' answer length: `mean` x factors evenly spread over [1 - spread, 1 + spread],
+    dealt to the prompts in a seeded order. Answers of one length would keep a closed loop's clients
+    in lockstep: they finish in the same round and come back as one burst."""
+    factors = np.linspace(1 - spread, 1 + spread, n) if n > 1 else [1.0]
+    dealt = np.random.default_rng(seed).permutation(n)
+    return [max(1, round(mean * float(factors[i]))) for i in dealt]
+
+
 def measure_load_curve(make_batcher: Callable[[int], InflightBatcher], prompts: list[list[int]], batch_sizes: list[int], *,
-                       rounds: int = 12, max_draft: int = DEFAULT_DRAFT_LEN, warmup: int = LOAD_WARMUP) -> list[LoadPoint]:
-    """For each size: batches of that many greedy requests on `make_batcher(size)` and the same
-    requests on its plain twin (the deployment without its proposer: what a server's AR twin runs),
-    as many as it takes for every prompt to be in one (a batch of 1 measured on one prompt alone is
-    one prompt's acceptance). Each decodes `warmup` plain rounds untimed; the deployment then
-    resumes speculating with one untimed round (it takes in the warm-up's target states), and
-    `rounds` of its speculative rounds and `rounds` of the twin's run in ABBA order; tokens/s of
-    each over them all. A size whose rows end before both ran is left out."""
+                       lengths: list[int] | None = None,
+                       requests_per_client: int = LOAD_REQUESTS_PER_CLIENT) -> list[LoadPoint]:
+    """For each size: a closed loop of that many clients on `make_batcher(size)` (speculating in
+    every round) and on its plain twin, the prompts sent in turn, requests_per_client per client
+    and every prompt at least once. Each answer has exactly its length (`lengths`, default the
+    load test's), as the load test asks (min_tokens): both arms emit the same tokens. A prompt
+    that leaves no room for its answer in the model's context is left out."""
+    lengths = lengths or answer_lengths(len(prompts), LOAD_ANSWER_TOKENS, LOAD_ANSWER_SPREAD)
     points = []
     for size in batch_sizes:
-        seconds, tokens = {True: 0.0, False: 0.0}, {True: 0, False: 0}
-        for first in range(0, max(len(prompts), 1), size):
-            batch = [prompts[(first + i) % len(prompts)] for i in range(size)]
-            speculative = make_batcher(size)
-            _time_rounds({True: speculative, False: _plain_twin(speculative)}, batch, rounds, max_draft, warmup,
-                         seconds, tokens)
-        if seconds[True] and seconds[False]:
-            points.append(LoadPoint(size, tokens[True], seconds[True], tokens[False], seconds[False]))
+        speculative = make_batcher(size)
+        speculative.spec_off_above = None
+        fitting = [(ids, n) for ids, n in zip(prompts, lengths) if len(ids) + n <= speculative.context_length]
+        if not fitting:
+            raise SpecDeployError(f"no load-plan prompt leaves room for its answer in the model's context "
+                                  f"({speculative.context_length} tokens)",
+                                  hint="pass --spec-off-above to package (the plan is then not run)")
+        requests = [fitting[i % len(fitting)] for i in range(max(len(fitting), requests_per_client * size))]
+        spec, plain = _ClosedLoop(speculative, requests, size), _ClosedLoop(_plain_twin(speculative), requests, size)
+        _side_by_side([spec, plain])
+        points.append(LoadPoint(size, spec.tokens, spec.seconds, plain.tokens, plain.seconds))
     return points
 
 
@@ -78,35 +103,40 @@ def _plain_twin(batcher: InflightBatcher) -> InflightBatcher:
                            context_length=batcher.context_length)
 
 
-def _time_rounds(batchers: dict[bool, InflightBatcher], batch: list[list[int]], rounds: int, max_draft: int,
-                 warmup: int, seconds: dict[bool, float], tokens: dict[bool, int]) -> None:
-    """Decode `batch` on the speculative (True) and the plain (False) batcher, adding the time and
-    tokens of their timed rounds."""
-    emitted: dict[bool, list[int]] = {True: [], False: []}
-    # room for the warm-up twice over: a row is caught up after plain rounds only while it has at
-    # least as many tokens to go as it missed (InflightBatcher._worth_catching_up)
-    params = SamplingParams(max_new_tokens=2 * (warmup + 1) + (rounds + 1) * (max_draft + 1) + 2)
-    for speculate, batcher in batchers.items():
-        count = emitted[speculate].append
-        for ids in batch:
-            batcher.add(BatchRequest(ids, params, on_tokens=lambda group, count=count: count(len(group))))
-        batcher.spec_off_above = 0
-        for _ in range(1 + warmup):  # the first admits (prefills) every request; none is counted
-            batcher.step()
-    batchers[True].spec_off_above = None
-    batchers[True].step()
-    for r in range(2 * rounds):
-        speculate = r % 4 in (0, 3)
-        batcher = batchers[speculate]
-        if batcher.active < len(batch):
-            break
-        before = len(emitted[speculate])
-        synchronize(batcher.device)
+class _ClosedLoop:
+    """One arm: `clients` requests in flight on `batcher`, the next sent as one completes; the time
+    of its steps (each admits the requests sent, prefilling them, and runs one round) and the
+    tokens they emitted."""
+
+    def __init__(self, batcher: InflightBatcher, requests: list[tuple[list[int], int]], clients: int) -> None:
+        self.batcher, self.clients = batcher, clients
+        self.to_send = deque(requests)
+        self.seconds, self.tokens = 0.0, 0
+
+    @property
+    def done(self) -> bool:
+        return not self.to_send and not self.batcher.active and not self.batcher.waiting
+
+    def step(self) -> None:
+        while self.to_send and self.batcher.active + self.batcher.waiting < self.clients:
+            ids, length = self.to_send.popleft()
+            self.batcher.add(BatchRequest(ids, SamplingParams(max_new_tokens=length, min_tokens=length),
+                                          on_tokens=self._count))
+        synchronize(self.batcher.device)
         start = time.perf_counter()
-        batcher.step()
-        synchronize(batcher.device)
-        seconds[speculate] += time.perf_counter() - start
-        tokens[speculate] += sum(emitted[speculate][before:])
+        self.batcher.step()
+        synchronize(self.batcher.device)
+        self.seconds += time.perf_counter() - start
+
+    def _count(self, tokens: list[int]) -> None:
+        self.tokens += len(tokens)
+
+
+def _side_by_side(arms: list[_ClosedLoop]) -> None:
+    """Step the arms until each is done, the one behind (fewest tokens so far) next: they go through
+    their requests together, so a slow spell of the host falls on both."""
+    while running := [arm for arm in arms if not arm.done]:
+        min(running, key=lambda arm: arm.tokens).step()
 
 
 def break_even(levels: list[int], speedups: list[float | None], pays: float = 1.0) -> int | None:

@@ -35,9 +35,9 @@ from specdeploy.runtime.types import DraftShape, DraftTree, Proposer, SamplingPa
 
 
 # Acceptance falls along an answer (docs/measurements.md, 2026-11-25: verify's prompts, chain 3, 1.64 tokens
-# per round over an answer's first 16 tokens, 1.21-1.23 past its 48th), so both plans measure away from the
-# start: the shape planner over answers of CALIBRATION_TOKENS, the load plan (load_plan.py) after
-# LOAD_WARMUP plain rounds. Calibrated on 48-token answers, the planner expected 1.37x where `make verify` served 0.99x.
+# per round over an answer's first 16 tokens, 1.21-1.23 past its 48th), so the shape planner measures over
+# answers of CALIBRATION_TOKENS: calibrated on 48-token answers, it expected 1.37x where `make verify` served
+# 0.99x. (The load plan, load_plan.py, times answers of the load test's lengths: it predicts that test.)
 CALIBRATION_TOKENS = 128
 
 # A deeper draft's extra acceptance is the part that varies most from prompt to prompt (2026-11-25:

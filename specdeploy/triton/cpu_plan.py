@@ -17,20 +17,19 @@ from specdeploy.triton.cpu_repo import DEPLOYMENT_FILE
 if TYPE_CHECKING:
     from specdeploy.runtime.load_plan import LoadPoint
 
-CPU_PLAN = 10  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
+CPU_PLAN = 11  # the --cpu-draft-shape auto planner's version: a build planned by another is packaged again
 PLAN_FILE = "draft_plan.json"  # cpu/: the planner's measurement behind the CPU deployment's draft shape
 CPU_DRAFT_SHAPES = ("fixed", "auto")
-# A batch speculates where its rounds measured at least as fast in-process. The load test's closed
-# loop gained more at 4-8 than these rounds (docs/measurements.md, 2026-11-29; speculation always on):
-# bf16, rounds 1.06x / 1.00x at batch 4 / 8, served 1.12x / 1.09x (every pass >= 1.06), and the same
-# closed loop in-process, no server, 1.07-1.10x at 8; float32, rounds 0.98x / 0.90x, served 1.01x /
-# 0.94x. The 1.05 margin before stopped the bf16 build speculating above 4, where it served 1.09x.
-# The rounds are timed 24 tokens into their answers, the load test's answers are 16-48 tokens long,
-# and the module accepts more early on: timed 4 tokens in, the rounds read 1.12-1.14x / 1.09x.
+# A batch size speculates where the load test's closed loop, run in-process on the calibration prompts
+# (load_plan.measure_load_curve), went at least as fast as the plain twin: what the plan measures is
+# what a served load test sees, prefill and the proposer's pass over each prompt included.
 LOAD_PAYS = 1.0
+# Held-out prompts the plan's requests cycle through (half chat, half code). With 4, one batch held
+# them all and its answers decided every size at once.
+LOAD_PROMPTS = 8
 # A size measured this close to LOAD_PAYS is measured again, up to LOAD_MEASUREMENTS times in all, its
-# rounds pooled: on one build single measurements read 1.02-1.09x at batch 4 and 1.01-1.06x at 8
-# (docs/measurements.md, 2026-11-29), and spec_off_above moved between 2, 4 and none from run to run.
+# requests pooled: the closed loop's readings of one build moved by up to 0.04 from run to run (bf16 at
+# 8 clients: 1.07-1.10x; docs/measurements.md, 2026-11-29).
 LOAD_BORDER, LOAD_MEASUREMENTS = 0.04, 3
 
 
@@ -84,19 +83,17 @@ def load_sizes(max_batch_size: int) -> list[int]:
 
 def plan_cpu_load(path: Path, max_batch_size: int) -> dict[str, Any]:
     """The CPU deployment's spec_off_above, measured on the deployment as written (its planned
-    shape): in-flight batches of load_sizes(max_batch_size), speculative and plain rounds
-    interleaved. At least 1: alone, the deployment speculates, as the build asked."""
-    from specdeploy.runtime.decoding import DEFAULT_DRAFT_LEN
+    shape): the load test's closed loop at load_sizes(max_batch_size) clients, speculative and
+    plain side by side. At least 1: alone, the deployment speculates, as the build asked."""
     from specdeploy.runtime.deployment import load_decoder
     from specdeploy.runtime.load_plan import measure_load_curve, suggested_spec_off_above
     from specdeploy.runtime.planner import calibration_prompts
 
     decoder = load_decoder(path)
-    prompts = calibration_prompts(decoder.tokenizer)
+    prompts = calibration_prompts(decoder.tokenizer, LOAD_PROMPTS)
 
     def measure(sizes: list[int]) -> list[LoadPoint]:
-        return measure_load_curve(lambda size: decoder.batcher(max_batch_size=size), prompts, sizes,
-                                  max_draft=decoder.draft_len or DEFAULT_DRAFT_LEN)
+        return measure_load_curve(lambda size: decoder.batcher(max_batch_size=size), prompts, sizes)
 
     points = pooled_near_border(measure, measure(load_sizes(max_batch_size)))
     off_above = suggested_spec_off_above([p.batch for p in points], [p.speedup for p in points], LOAD_PAYS)
@@ -127,4 +124,5 @@ def load_summary(points: list[LoadPoint], off_above: int | None) -> str:
         lost = [str(p.batch) for p in points if p.speedup < LOAD_PAYS]
         verdict = ("none (speculation paid at every size)" if not lost else
                    f"none (speculation paid at the largest size; below {LOAD_PAYS}x at {', '.join(lost)}, read as noise)")
-    return f"CPU deployment, speculative over plain rounds by in-flight batch size: {curve}; spec_off_above {verdict}"
+    return (f"CPU deployment, speculative over plain by clients in a closed loop (the load test's answers): {curve}; "
+            f"spec_off_above {verdict}")
