@@ -89,7 +89,7 @@ def measure_load_curve(make_batcher: Callable[[int], InflightBatcher], prompts: 
         if not fitting:
             raise SpecDeployError(f"no load-plan prompt leaves room for its answer in the model's context "
                                   f"({speculative.context_length} tokens)",
-                                  hint="pass --spec-off-above to package (the plan is then not run)")
+                                  hint="pass --spec-off-above N to package or engine (the load plan is then not run)")
         requests = [fitting[i % len(fitting)] for i in range(max(len(fitting), requests_per_client * size))]
         spec, plain = _ClosedLoop(speculative, requests, size), _ClosedLoop(_plain_twin(speculative), requests, size)
         _side_by_side([spec, plain])
