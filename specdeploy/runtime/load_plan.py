@@ -34,7 +34,8 @@ from specdeploy.runtime.types import SamplingParams
 LOAD_ANSWER_TOKENS, LOAD_ANSWER_SPREAD = 32, 0.5
 # Requests per client and size (and every prompt at least once): with 3, the readings of one build
 # moved by up to 0.04 from run to run; sizes 1, 2, 4 and 8 took 58-61 s on two cores (bf16), 109-111 s
-# (float32).
+# (float32). The load test sends 6: an n-gram deployment read 1.16x at 2 clients with 3, 1.29x with 6
+# (served 1.34x), at about 1.5x the time.
 LOAD_REQUESTS_PER_CLIENT = 3
 
 
