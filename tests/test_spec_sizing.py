@@ -1,6 +1,7 @@
-"""The CPU tier by measured speed (speculator/sizing.py): the larger quick EAGLE where its predicted
-time fits the budget, the smaller elsewhere; measured once per build and recorded; the work counted
-as the stage batches it; the probe runs the stage's own functions on a real (tiny) base."""
+"""The CPU recipe by measured speed (speculator/sizing.py): the larger quick EAGLE where its predicted
+time fits the budget, the smaller elsewhere, cut to fit on a host too slow for that; measured once per
+build and recorded; the work counted as the stage batches it; the probe runs the stage's own functions
+on a real (tiny) base."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _host(monkeypatch, train_step_s: float, calls: list | None = None) -> None:
         return sizing.HostSpeed(token_s=2e-4, decode_step_s=0.1, train_step_s=train_step_s)
 
     monkeypatch.setattr(sizing, "measure", measure)
-    monkeypatch.setattr(sizing, "work_for", lambda settings, tokenizer: replace(WORK, train_steps=settings.steps))
+    monkeypatch.setattr(sizing, "work_for", lambda settings, tokenizer: replace(
+        WORK, train_steps=settings.steps, read_tokens=WORK.read_tokens * settings.teacher_forced // LARGE.teacher_forced))
     monkeypatch.setattr("specdeploy.checkpoints.load_tokenizer", lambda base_dir: None)
 
 
@@ -58,6 +60,39 @@ def test_a_fast_cpu_trains_the_larger_quick_eagle_and_a_slow_one_the_smaller(tmp
     assert fast.record("spec")["sizing"]["tier"] == "cpu" and slow.record("spec")["sizing"]["tier"] == "cpu-small"
     assert slow.record("spec")["sizing"]["predicted_s"] == pytest.approx(484, abs=0.1)
     assert slow.record("spec")["settings"] == json.loads(json.dumps(stage_settings(SMALL)))  # the manifest reproduces it
+
+
+def test_a_cpu_too_slow_for_the_smaller_recipe_cuts_its_reads_and_steps_to_fit(tmp_path, monkeypatch):
+    """cpu-small at 1 s a step: 44 s of its own answers (not cut) + 13.3 s of reads + 400 s of steps > 420 s;
+    90% of the reads and steps fits (0.95 would not). The manifest holds the cut settings, a rerun finds
+    the stage complete."""
+    trained = []
+    monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
+    _host(monkeypatch, train_step_s=1.0)
+    build = _build(tmp_path)
+    commands.run(build, "eagle", device="cpu")
+    fitted = replace(SMALL, steps=360, teacher_forced=230)
+    assert trained == [fitted]
+    record = build.record("spec")
+    assert record["sizing"]["tier"] == "cpu-small" and record["sizing"]["fraction"] == 0.9
+    assert record["sizing"]["chosen_predicted_s"] <= sizing.SPEC_BUDGET_S < record["sizing"]["predicted_s"]
+    assert record["settings"] == json.loads(json.dumps(stage_settings(fitted)))
+    monkeypatch.setattr(sizing, "measure", lambda *a, **_: pytest.fail("measured although the stage was complete"))
+    assert commands.run(build, "eagle", device="cpu") == build.path("spec") and len(trained) == 1
+
+
+def test_a_cut_stops_at_half_and_leaves_what_the_user_set(tmp_path, monkeypatch, capsys):
+    """At 3 s a step even half of cpu-small's steps is beyond the budget: half it is, with a warning;
+    --steps given by the user is kept, the reads are still cut."""
+    trained = []
+    monkeypatch.setattr(commands, "train", lambda base, out, settings, **_: trained.append(settings))
+    _host(monkeypatch, train_step_s=3.0)
+    commands.run(_build(tmp_path / "a"), "eagle", device="cpu")
+    assert trained == [replace(SMALL, steps=200, teacher_forced=128)]
+    assert "too slow for the budget even at 50%" in capsys.readouterr().err
+    commands.run(_build(tmp_path / "b"), "eagle", device="cpu", steps=120)  # cpu-small: 44 + 13.3 + 360 s, uncut
+    commands.run(_build(tmp_path / "c"), "eagle", device="cpu", steps=130)  # 44 + 13.3 + 390 s: only the reads cut
+    assert trained[1:] == [replace(SMALL, steps=120), replace(SMALL, steps=130, teacher_forced=128)]
 
 
 def test_the_speed_is_measured_once_per_build_and_per_base(tmp_path, monkeypatch):

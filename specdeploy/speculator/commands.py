@@ -23,7 +23,7 @@ from specdeploy.errors import SpecDeployError
 from specdeploy.manifest import BuildDir, add_build_args, build_from_args
 from specdeploy.speculator.parallel import setup
 from specdeploy.speculator.presets import PRESETS, TABLE, gpu_tier, settings_for
-from specdeploy.speculator.sizing import cpu_tier
+from specdeploy.speculator.sizing import cpu_recipe, recorded, recorded_settings
 from specdeploy.speculator.train import TrainSettings, stage_settings, train
 
 STAGE = "spec"
@@ -41,11 +41,12 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
         return build.path(OUT)
     if parallel.device.type == "cuda":
         tier, sizing = gpu_tier(base_dir), None
+        settings = settings_for(spec, preset, tier=tier, **overrides)
     else:
-        tier, sizing = cpu_tier(build, spec, preset, overrides, parallel, trust_remote_code=trust_remote_code)
-    settings = settings_for(spec, preset, tier=tier, **overrides)
+        tier, settings, sizing = cpu_recipe(build, spec, preset, overrides, parallel, trust_remote_code=trust_remote_code)
     if parallel.is_main:
-        print(f"specdeploy spec: {preset} preset of the {tier} tier: {settings.steps} steps on {settings.num_prompts} "
+        cut_to = f" cut to {sizing['fraction']:.0%}" if sizing and sizing.get("fraction", 1.0) < 1 else ""
+        print(f"specdeploy spec: {preset} preset of the {tier} tier{cut_to}: {settings.steps} steps on {settings.num_prompts} "
               f"generated answers, {settings.code_prompts} code completions and {settings.teacher_forced} read answers",
               file=sys.stderr)
     ckpt_dir = _checkpoint_dir(build)
@@ -71,10 +72,14 @@ def _checkpoint_dir(build: BuildDir) -> Path:
 
 
 def _complete(build: BuildDir, spec: str, preset: str, overrides: dict[str, Any]) -> bool:
-    """Trained with this device's preset or another tier's: a build made on a GPU host stays
-    complete when it is mounted on a CPU one, and the other way round."""
-    return any(build.completed(STAGE, stage_settings(settings_for(spec, preset, tier=tier, **overrides)), consumes=("resolve",))
-               for tier in TABLE)
+    """Trained with this device's preset or another tier's, or the cut recipe this build's sizing
+    chose: a build made on a GPU host stays complete when it is mounted on a CPU one, and the other
+    way round."""
+    candidates = [settings_for(spec, preset, tier=tier, **overrides) for tier in TABLE]
+    sizing = recorded(build)
+    if sizing is not None:
+        candidates.append(recorded_settings(sizing, spec, preset, overrides))
+    return any(build.completed(STAGE, stage_settings(settings), consumes=("resolve",)) for settings in candidates)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -91,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_p.add_argument("--preset", choices=PRESETS, default="quick",
                          help="sized to the device and the base: on the CPU (or a base under 1B) quick ~4-8 min on 2 cores "
                               "with native bf16 (distillation cached; a CPU timed too slow for it gets a smaller quick "
-                              "EAGLE: 256 read answers, 400 steps), long ~70 min on 6x the data (SmolLM2-135M, 2 cores); "
+                              "EAGLE: 256 read answers, 400 steps, cut to fit, to half, on a slower one), long ~70 min on 6x the data (SmolLM2-135M, 2 cores); "
                               "a 1B-8B base on CUDA gets ModelOpt-style GPU presets")
     for f in fields(TrainSettings):
         if f.name in ("kind", "choices"):

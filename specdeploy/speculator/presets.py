@@ -5,8 +5,9 @@ examples/speculative_decoding: sequences of 2048 tokens, lr 3e-4 with batches of
 as in its offline pipeline, a 32k draft vocabulary, a few epochs over the data), `cpu` (sized for
 SmolLM2-135M on 2 fast CPU cores; also what a base under 1B gets on a GPU, which then trains the
 same module, only faster) and `cpu-small` (a quick EAGLE that reads fewer answers and trains fewer
-steps, for a CPU too slow for `cpu`'s). A CPU's tier is chosen by its measured speed (sizing.py);
-the settings a build used are in its manifest.
+steps, for a CPU too slow for `cpu`'s; on a CPU too slow for this one, its reads and steps are cut to
+fit, to half). A CPU's tier is chosen by its measured speed (sizing.py); the settings a build used are
+in its manifest.
 Budgets count steps, never seconds: the same settings make the same module on any machine.
 """
 

@@ -1,13 +1,15 @@
-"""Which CPU tier a host affords, by its measured speed (issue #36's "sized to the host").
+"""Which quick recipe a CPU affords, by its measured speed (issue #36's "sized to the host").
 
 On a CPU the quick EAGLE comes in two sizes (presets: `cpu`, 768 read answers and 800 steps;
-`cpu-small`, 256 and 400, ~0.05 less acceptance). A CPU's flags do not tell its speed: a Zen 5 EPYC
+`cpu-small`, 256 and 400, ~0.05 less acceptance); on a CPU too slow for `cpu-small` within the
+budget, its reads and steps are cut to fit, to half at most. A CPU's flags do not tell its speed: a Zen 5 EPYC
 without AMX ran training's bf16 product as fast as a Xeon with AMX, an older EPYC with AVX512-BF16
 distilled at half the Xeon's speed (docs/measurements.md, 2026-11-26 and 2026-11-27). So the stage
 times units of the `cpu` recipe's work on the base itself with the functions the stage runs (one
 batch of read answers: a forward's cost per position, the prefills' too; decode steps at the
 distillation batch's size; a few training steps), counts that recipe's units from its own prompts
-and answers, and takes it when the predicted time fits SPEC_BUDGET_S.
+and answers, and takes it when the predicted time fits SPEC_BUDGET_S, else `cpu-small`, cut where
+that does not fit.
 
 Decided once per build: the choice and what it measured are kept in build/<name>/.spec.sizing.json
 (a rerun, or a resumed run, reads it back) and in the spec stage's manifest record. The settings it
@@ -17,6 +19,7 @@ picks count steps, never seconds, so the manifest alone reproduces the module.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -40,6 +43,16 @@ from specdeploy.speculator.train import TrainSettings
 # the older EPYC's data and 800 steps come to ~620 s from its 2026-11-26 times (~560 s: beyond it).
 # Estimates: the probe has run on the Zen 5 EPYC only.
 SPEC_BUDGET_S = 420.0
+# Below `cpu-small`, its reads and training steps are cut to the share of them that fits the budget (the
+# base's own answers stay: a batch of 64 costs about what a smaller one does), in steps of CUT_STEP, to
+# MIN_FRACTION at most; a host too slow for that trains the half recipe, beyond the budget, and says so.
+# Half costs ~0.05 acceptance: on the float32 path, 128 reads x 200 steps 1.257 against cpu-small's 1.307
+# (`spec validate --tree chain --draft-len 1 --prompts 24 --max-new-tokens 96`, a Zen 5 EPYC, 2026-11-29).
+# With that host's float32 speed scaled (an estimate: no slower CPU has run it), 1.5x slower cuts to 0.65
+# (cpu-small 549 -> 407 s predicted), 1.7x to 0.55, 2x to half (732 -> 462 s, beyond the budget).
+MIN_FRACTION = 0.5
+CUT_STEP = 0.05
+CUT_FIELDS = ("teacher_forced", "steps")
 SIZING_FILE = ".spec.sizing.json"
 DECODE_STEPS = 16  # decode steps timed at a distillation batch's size
 TRAIN_STEPS = 12  # training steps timed, the first (slower) one among them: an upper bound
@@ -78,15 +91,16 @@ def measured_with(settings: TrainSettings) -> dict[str, Any]:
     return {key: value for key, value in asdict(settings).items() if key not in WORK_COUNTS}
 
 
-def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel, *,
-             trust_remote_code: bool = False) -> tuple[str, dict[str, Any] | None]:
-    """'cpu' or 'cpu-small' for this build on this CPU and the sizing it rests on: the host's speed
-    measured once per build, base and per-unit settings (recorded: another --batch-size or window is
-    measured again), the work counted for the recipe asked this time; rank 0 decides, the other ranks
-    read its choice. No sizing where both tiers train the same."""
+def cpu_recipe(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any], parallel: Parallel, *,
+               trust_remote_code: bool = False) -> tuple[str, TrainSettings, dict[str, Any] | None]:
+    """The tier, the settings and the sizing they rest on for this build on this CPU: 'cpu' where its
+    predicted time fits the budget, else 'cpu-small', cut to fit where even that does not (`cut`). The
+    host's speed is measured once per build, base and per-unit settings (recorded: another --batch-size
+    or window is measured again), the work counted for the recipe asked this time; rank 0 decides, the
+    other ranks read its choice. No sizing where both tiers train the same."""
     large, small = (settings_for(kind, preset, tier=tier, **overrides) for tier in ("cpu", "cpu-small"))
     if large == small:
-        return "cpu", None
+        return "cpu", large, None
     if parallel.is_main:
         from specdeploy.checkpoints import load_tokenizer
 
@@ -95,17 +109,57 @@ def cpu_tier(build: BuildDir, kind: str, preset: str, overrides: dict[str, Any],
         same = known is not None and known.get("measured_with") == measured_with(large)
         speed = HostSpeed(**known["speed"]) if same else measure(base_dir, large, parallel.device,
                                                                   trust_remote_code=trust_remote_code)
-        work = work_for(large, load_tokenizer(base_dir))
+        tokenizer = load_tokenizer(base_dir)
+        work = work_for(large, tokenizer)
         predicted = work.seconds(speed)
-        tier = "cpu" if predicted <= SPEC_BUDGET_S else "cpu-small"
-        print(f"specdeploy spec: the cpu tier's {preset} {kind} would take ~{predicted:.0f} s on this host "
-              f"(budget {SPEC_BUDGET_S:.0f} s): {tier} tier", file=sys.stderr)
+        if predicted <= SPEC_BUDGET_S:
+            tier, fraction, chosen_s = "cpu", 1.0, predicted
+        else:
+            tier, fraction = "cpu-small", _fraction(small, overrides, tokenizer, speed)
+            chosen_s = work_for(cut(small, fraction, overrides), tokenizer).seconds(speed)
+        _announce(f"{preset} {kind}", predicted, tier, fraction, chosen_s)
         atomic_write_json(build.root / SIZING_FILE, {
-            "tier": tier, "predicted_s": round(predicted, 1), "budget_s": SPEC_BUDGET_S, "speed": asdict(speed),
-            "work": asdict(work), "base": build.fingerprint("resolve"), "measured_with": measured_with(large)})
+            "tier": tier, "fraction": fraction, "predicted_s": round(predicted, 1), "chosen_predicted_s": round(chosen_s, 1),
+            "budget_s": SPEC_BUDGET_S, "speed": asdict(speed), "work": asdict(work), "base": build.fingerprint("resolve"),
+            "measured_with": measured_with(large)})
     parallel.barrier()  # rank 0 has written the choice
     sizing = recorded(build)
-    return sizing["tier"], sizing
+    return sizing["tier"], recorded_settings(sizing, kind, preset, overrides), sizing
+
+
+def recorded_settings(sizing: dict[str, Any], kind: str, preset: str, overrides: dict[str, Any]) -> TrainSettings:
+    """The settings a recorded sizing chose for this recipe."""
+    settings = settings_for(kind, preset, tier=sizing["tier"], **overrides)
+    return cut(settings, sizing.get("fraction", 1.0), overrides) if sizing["tier"] == "cpu-small" else settings
+
+
+def cut(settings: TrainSettings, fraction: float, overrides: dict[str, Any]) -> TrainSettings:
+    """`settings` with the reads and steps the user did not set cut to `fraction` of theirs."""
+    return replace(settings, **{name: max(1, round(getattr(settings, name) * fraction))
+                                for name in CUT_FIELDS if overrides.get(name) is None})
+
+
+def _fraction(small: TrainSettings, overrides: dict[str, Any], tokenizer: Any, speed: HostSpeed) -> float:
+    """The largest share (in CUT_STEPs, to MIN_FRACTION) of `small`'s reads and steps predicted within
+    the budget; the prefills and decode steps of its own answers are not cut, nor what the user set."""
+    work = work_for(small, tokenizer)
+    seconds = {"teacher_forced": work.read_tokens * speed.token_s, "steps": work.train_steps * speed.train_step_s}
+    cut_s = sum(seconds[name] for name in CUT_FIELDS if overrides.get(name) is None)
+    kept_s = work.seconds(speed) - cut_s
+    if kept_s + cut_s <= SPEC_BUDGET_S:
+        return 1.0
+    share = (SPEC_BUDGET_S - kept_s) / cut_s if cut_s else 0.0
+    return max(MIN_FRACTION, round(math.floor(round(share / CUT_STEP, 6)) * CUT_STEP, 2))
+
+
+def _announce(recipe: str, predicted: float, tier: str, fraction: float, chosen_s: float) -> None:
+    cut_to = f" cut to {fraction:.0%} (~{chosen_s:.0f} s)" if fraction < 1 else ""
+    print(f"specdeploy spec: the cpu tier's {recipe} would take ~{predicted:.0f} s on this host "
+          f"(budget {SPEC_BUDGET_S:.0f} s): {tier} tier{cut_to}", file=sys.stderr)
+    if fraction == MIN_FRACTION and chosen_s > SPEC_BUDGET_S:
+        print(f"specdeploy spec: this host is too slow for the budget even at {MIN_FRACTION:.0%} of the cpu-small "
+              f"recipe: the stage will take longer than {SPEC_BUDGET_S:.0f} s; fewer steps trade acceptance for time "
+              f"(make engine ENGINE_ARGS=\"--spec-steps N\", spec train --steps N)", file=sys.stderr)
 
 
 def recorded(build: BuildDir) -> dict[str, Any] | None:
