@@ -43,11 +43,13 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
         tier, sizing = gpu_tier(base_dir), None
         settings = settings_for(spec, preset, tier=tier, **overrides)
     else:
-        tier, settings, sizing = cpu_recipe(build, spec, preset, overrides, parallel, trust_remote_code=trust_remote_code)
+        tier, settings, sizing = cpu_recipe(build, spec, preset, overrides, parallel,
+                                            trust_remote_code=trust_remote_code)
     if parallel.is_main:
         cut_to = f" cut to {sizing['fraction']:.0%}" if sizing and sizing.get("fraction", 1.0) < 1 else ""
-        print(f"specdeploy spec: {preset} preset of the {tier} tier{cut_to}: {settings.steps} steps on {settings.num_prompts} "
-              f"generated answers, {settings.code_prompts} code completions and {settings.teacher_forced} read answers",
+        print(f"specdeploy spec: {preset} preset of the {tier} tier{cut_to}: {settings.steps} steps on "
+              f"{settings.num_prompts} generated answers, {settings.code_prompts} code completions and "
+              f"{settings.teacher_forced} read answers",
               file=sys.stderr)
     ckpt_dir = _checkpoint_dir(build)
     train_args = dict(ckpt_dir=ckpt_dir, parallel=parallel, trust_remote_code=trust_remote_code)
@@ -96,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_p.add_argument("--preset", choices=PRESETS, default="quick",
                          help="sized to the device and the base: on the CPU (or a base under 1B) quick ~4-8 min on 2 cores "
                               "with native bf16 (distillation cached; a CPU timed too slow for it gets a smaller quick "
-                              "EAGLE: 256 read answers, 400 steps, cut to fit, to half, on a slower one), long ~70 min on 6x the data (SmolLM2-135M, 2 cores); "
+                              "EAGLE: 256 read answers, 400 steps, cut to fit, to half, on a slower one), long ~70 min "
+                              "on 6x the data (SmolLM2-135M, 2 cores); "
                               "a 1B-8B base on CUDA gets ModelOpt-style GPU presets")
     for f in fields(TrainSettings):
         if f.name in ("kind", "choices"):
