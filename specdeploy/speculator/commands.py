@@ -79,7 +79,7 @@ def _complete(build: BuildDir, spec: str, preset: str, overrides: dict[str, Any]
     way round."""
     candidates = [settings_for(spec, preset, tier=tier, **overrides) for tier in TABLE]
     sizing = recorded(build)
-    if sizing is not None:
+    if sizing is not None and sizing.get("measured_with", {}).get("kind") == spec:  # the sizing of this kind's recipe
         candidates.append(recorded_settings(sizing, spec, preset, overrides))
     return any(build.completed(STAGE, stage_settings(settings), consumes=("resolve",)) for settings in candidates)
 
