@@ -46,8 +46,7 @@ def run(build: BuildDir, spec: str = "eagle", *, preset: str = "quick", device: 
         tier, settings, sizing = cpu_recipe(build, spec, preset, overrides, parallel,
                                             trust_remote_code=trust_remote_code)
     if parallel.is_main:
-        cut_to = f" cut to {sizing['fraction']:.0%}" if sizing and sizing.get("fraction", 1.0) < 1 else ""
-        print(f"specdeploy spec: {preset} preset of the {tier} tier{cut_to}: {settings.steps} steps on "
+        print(f"specdeploy spec: {preset} preset of the {tier} tier: {settings.steps} steps on "
               f"{settings.num_prompts} generated answers, {settings.code_prompts} code completions and "
               f"{settings.teacher_forced} read answers",
               file=sys.stderr)
